@@ -1,0 +1,43 @@
+# memledger: every target does its own set-up (a fresh clone needs nothing run first).
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help install lint test test-fast demo demo-workers bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	@touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install memledger with its dev tools
+
+lint: $(STAMP) ## ruff and mypy (strict) on the packages
+	$(BIN)/ruff check ledger projections workers replay tests examples bench
+	$(BIN)/mypy
+
+test: $(STAMP) ## the whole suite (PostgreSQL and Redis tests skip without the servers, fail when CI=true)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP) ## the suite without the slow integration tests
+	$(BIN)/pytest -m 'not slow' $(PYTEST_ARGS)
+
+demo: $(STAMP) ## the after-sales story on the embedded SQLite default
+	$(BIN)/python examples/demo.py
+
+demo-workers: $(STAMP) ## the same story through publish and a worker daemon (needs Redis)
+	$(BIN)/python examples/demo.py --workers
+
+bench: $(STAMP) ## benchmarks, each beside raw sqlite3 doing the same work in the same run
+	$(BIN)/python -m bench
+
+clean: ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

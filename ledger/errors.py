@@ -1,0 +1,68 @@
+"""The project's exception tree: every failure a caller can act on has its own class.
+
+Driver errors are translated into these at one boundary (`ledger.store`), with
+``raise ... from e``, so callers never catch SQLAlchemy or asyncpg types.
+"""
+
+from __future__ import annotations
+
+
+class MemledgerError(Exception):
+    """Base class of every error memledger raises on purpose."""
+
+
+class ValidationError(MemledgerError):
+    """An event (or a request) broke a rule of the contract; nothing was written."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class IdempotencyConflict(ValidationError):
+    """The idempotency key was used before for an event with different content."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            "idempotency_key",
+            f"idempotency key {key!r} reused with different content; "
+            "use a new key for a new event",
+        )
+
+
+class ConcurrencyConflict(MemledgerError):
+    """An append stated an expected version that no longer holds; nothing was appended."""
+
+    def __init__(self, target: str, expected: int, actual: int) -> None:
+        self.target = target
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"expected version {expected} of {target} but it is at {actual}; "
+            "re-read the current version and retry"
+        )
+
+
+class AccessDenied(MemledgerError):
+    """A principal asked for something outside its namespaces."""
+
+
+class StoreUnavailable(MemledgerError):
+    """The database could not be reached or stayed busy; the operation may be retried."""
+
+
+class IntegrityError(MemledgerError):
+    """Stored data failed a check (hash chain, digest, backup checksum)."""
+
+
+class BackupError(MemledgerError):
+    """A backup file is unusable or a restore was refused; the live database is unchanged."""
+
+
+class RegisterError(MemledgerError):
+    """The forget register could not be read or written."""
+
+
+class BrokerUnavailable(MemledgerError):
+    """The message broker (Redis) could not take a message; the event was not sent."""

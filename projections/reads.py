@@ -1,0 +1,175 @@
+"""Principal-scoped reads: every query narrows by the server-side identity first.
+
+Access is checked here, in the data layer, on every path (R15, R24): a principal
+`TENANT/USER` reads only namespaces that start with `[TENANT, USER]` and tasks owned by
+such namespaces. Every memory read also filters by the ledger's tombstones, so a
+forget is effective the moment it is appended, before any projection ran (R20).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.errors import ValidationError
+from ledger.events import NS_SEP, ns_path
+
+LAYER_RANK = {"session": 0, "task": 1, "long": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is reading: a tenant and an authenticated user (never parsed from chat)."""
+
+    tenant: str
+    user: str
+
+    @classmethod
+    def parse(cls, text: str) -> Principal:
+        """Parse `TENANT/USER`."""
+        parts = text.split("/")
+        if len(parts) != 2 or not all(parts) or any(
+                ord(c) < 32 for p in parts for c in p):
+            raise ValidationError("--as", f"{text!r} is not TENANT/USER")
+        return cls(parts[0], parts[1])
+
+    @property
+    def prefix(self) -> str:
+        """The stored namespace path every readable namespace starts with."""
+        return ns_path([self.tenant, self.user])
+
+    def owns(self, namespace: tuple[str, ...] | list[str]) -> bool:
+        """May this principal read that namespace?"""
+        return len(namespace) >= 2 and namespace[0] == self.tenant and namespace[1] == self.user
+
+
+def prefix_match(col: Any, prefix: str) -> Any:
+    """SQL: `col` starts with `prefix` (no LIKE, so no escaping and no collation)."""
+    return func.substr(col, 1, len(prefix)) == prefix
+
+
+def not_forgotten() -> Any:
+    """SQL: the `mem_versions` row is covered by no tombstone of the ledger."""
+    mv, ts = t.mem_versions.c, t.tombstones.c
+    return ~exists().where(ts.tenant == mv.tenant, or_(
+        and_(ts.kind == "memory_id", ts.memory_id == mv.memory_id),
+        and_(ts.kind == "key", ts.ns_path == mv.ns_path, ts.mkey == mv.mkey,
+             ts.order_key >= mv.order_key),
+        and_(ts.kind == "prefix", func.substr(mv.ns_path, 1, func.length(ts.ns_path))
+             == ts.ns_path, ts.order_key >= mv.order_key),
+        and_(ts.kind == "task", mv.layer == "task", ts.task_key == mv.task_key,
+             ts.order_key >= mv.order_key),
+    ))
+
+
+def not_expired(now_us: int) -> Any:
+    """SQL: the row has no expiry or it lies in the future."""
+    mv = t.mem_versions.c
+    return or_(mv.expires_us.is_(None), mv.expires_us > now_us)
+
+
+def layer_filter(task: str | None, session: str | None) -> Any:
+    """SQL: long-term rows, plus rows of the given task and session only (R2)."""
+    mv = t.mem_versions.c
+    conds = [mv.layer == "long"]
+    if task is not None:
+        conds.append(and_(mv.layer == "task", mv.task_key == task))
+    if session is not None:
+        conds.append(and_(mv.layer == "session", mv.session_id == session))
+    return or_(*conds)
+
+
+def memory_item(r: Any) -> dict[str, Any]:
+    """The public form of an active view row."""
+    src = orjson.loads(r.source)
+    return {
+        "memory_id": r.memory_id,
+        "namespace": r.ns_path.split(NS_SEP)[:-1],
+        "key": r.mkey,
+        "value": orjson.loads(r.value) if r.value is not None else None,
+        "layer": r.layer,
+        "task_key": r.task_key,
+        "session_id": r.session_id,
+        "version": r.version,
+        "status": r.status,
+        "scope": r.scope,
+        "expires_at": r.expires_at,
+        "source": src,
+    }
+
+
+async def get(conn: AsyncConnection, who: Principal, namespace: list[str], key: str, *,
+              now_us: int, task: str | None = None, session: str | None = None
+              ) -> dict[str, Any]:
+    """The active value of a key for the principal: session beats task beats long-term."""
+    if not who.owns(namespace):
+        return {"found": False}  # says nothing about whether it exists
+    mv = t.mem_versions.c
+    q = select(t.mem_versions).where(
+        mv.tenant == who.tenant, mv.ns_path == ns_path(namespace), mv.mkey == key,
+        mv.status == "active", layer_filter(task, session), not_expired(now_us),
+        not_forgotten())
+    rows = (await conn.execute(q)).all()
+    if not rows:
+        return {"found": False}
+    best = min(rows, key=lambda r: LAYER_RANK[r.layer])
+    return {"found": True, **memory_item(best)}
+
+
+async def active_memories(conn: AsyncConnection, who: Principal, *, now_us: int,
+                          task: str | None = None, session: str | None = None,
+                          memory_ids: list[str] | None = None) -> list[Any]:
+    """Every active, unexpired, unforgotten row the principal may read in scope."""
+    mv = t.mem_versions.c
+    q = select(t.mem_versions).where(
+        mv.tenant == who.tenant, prefix_match(mv.ns_path, who.prefix), mv.status == "active",
+        layer_filter(task, session), not_expired(now_us), not_forgotten())
+    if memory_ids is not None:
+        q = q.where(mv.memory_id.in_(memory_ids))
+    return list((await conn.execute(q)).all())
+
+
+def _task_not_forgotten() -> Any:
+    tv, ts = t.tasks_view.c, t.tombstones.c
+    return ~exists().where(ts.tenant == tv.tenant, or_(
+        and_(ts.kind == "task", ts.task_key == tv.task_key),
+        and_(ts.kind == "prefix",
+             func.substr(tv.ns_path, 1, func.length(ts.ns_path)) == ts.ns_path)))
+
+
+async def tasks(conn: AsyncConnection, who: Principal, *, include_closed: bool = False
+                ) -> list[dict[str, Any]]:
+    """The principal's task summaries: open ones, or all with `include_closed`."""
+    tv = t.tasks_view.c
+    q = select(t.tasks_view).where(
+        tv.tenant == who.tenant, prefix_match(tv.ns_path, who.prefix), tv.purged.is_(False),
+        _task_not_forgotten())
+    if not include_closed:
+        q = q.where(tv.status == "open")
+    rows = (await conn.execute(q.order_by(tv.task_key))).all()
+    return [orjson.loads(r.summary) for r in rows]
+
+
+_WORD = re.compile(r"[\w\u4e00-\u9fff]+", re.UNICODE)
+
+
+def keyword_score(query: str, text: str) -> float:
+    """Share of the query's terms (CJK characters count one by one) found in `text`."""
+    def terms(s: str) -> set[str]:
+        out: set[str] = set()
+        for w in _WORD.findall(s.casefold()):
+            if any("\u4e00" <= c <= "\u9fff" for c in w):
+                out.update(c for c in w if "\u4e00" <= c <= "\u9fff")
+            else:
+                out.add(w)
+        return out
+    q = terms(query)
+    if not q:
+        return 0.0
+    return len(q & terms(text)) / len(q)

@@ -1,0 +1,339 @@
+"""The projection runner: reads the ledger after a checkpoint and updates the views.
+
+The view change and the new checkpoint commit in one transaction, so a batch is
+applied exactly once however often a runner is woken or restarted. The checkpoint row
+is locked for the whole transaction (SQLite: BEGIN IMMEDIATE; PostgreSQL: SELECT ...
+FOR UPDATE), so a second runner of the same projection waits instead of applying the
+batch twice, and a killed holder's lock dies with its connection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import orjson
+import structlog
+from sqlalchemy import and_, delete, func, or_, select, tuple_, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json
+from ledger.store import Store, StoredEvent, Tombstone
+from projections.memory import Mark, WriteFact, fact_from_row, marks_of, resolve_slot, write_fact
+from projections.tasks import Note, note_body, summarize
+
+log = structlog.get_logger("memledger.projections")
+
+WRITE_TYPES = tuple(MEMORY_WRITES)
+TASK_CONTENT_TYPES = ("task.opened", "task.noted", "task.closed")
+
+
+class Projection(Protocol):
+    """A view kept up to date from the ledger."""
+
+    name: str
+    tables: tuple[Any, ...]
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        """Apply a batch of events (in position order) to the view, inside `conn`'s tx."""
+
+
+def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _prefix_match(col: Any, prefix: str) -> Any:
+    return func.substr(col, 1, len(prefix)) == prefix
+
+
+class MemoryProjection:
+    """Slots, versions and statuses of every memory write (the active-memory view)."""
+
+    name = "memories"
+    tables = (t.mem_versions, t.mem_marks)
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        mv, mk = t.mem_versions.c, t.mem_marks.c
+        writes = [write_fact(se) for se in batch if se.type in MEMORY_WRITES]
+        marks = [m for se in batch for m in marks_of(se)]
+        forgets = [se for se in batch if se.type in ("memory.forgotten", "task.purged")]
+        if not writes and not marks and not forgets:
+            return
+        if marks:
+            await conn.execute(t.mem_marks.insert(), [_mark_row(m) for m in marks])
+        tenants = {se.tenant for se in batch}
+        upto = batch[-1].position
+        tombs = await store.tombstones(conn, tenants, upto=upto)
+        slots: set[str] = {w.slot for w in writes}
+        # Slots reached through marks: targets, and the targets of confirmed candidates.
+        targets = {(m.tenant, m.target) for m in marks}
+        confirmed_now = [(m.tenant, m.target) for m in marks if m.kind == "confirmed"]
+        for chunk in _chunks(sorted(confirmed_now)):
+            q = select(mk.tenant, mk.target).where(tuple_(mk.tenant, mk.via_candidate).in_(chunk))
+            targets.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+        for chunk in _chunks(sorted(targets)):
+            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+            slots.update(r[0] for r in (await conn.execute(q)).all())
+        for se in forgets:
+            ts = next((x for x in tombs if x.position == se.position), None)
+            if ts is not None:
+                slots.update(await _covered_slots(conn, ts))
+        if not slots:
+            return
+        slot_list = sorted(slots)
+        existing: dict[str, list[WriteFact]] = {}
+        new_ids = {(w.tenant, w.memory_id) for w in writes}
+        for chunk in _chunks(slot_list):
+            for r in (await conn.execute(select(t.mem_versions).where(mv.slot.in_(chunk)))).all():
+                if (r.tenant, r.memory_id) not in new_ids:
+                    existing.setdefault(r.slot, []).append(fact_from_row(r))
+        for w in writes:
+            existing.setdefault(w.slot, []).append(w)
+        ids = sorted({(w.tenant, w.memory_id) for ws in existing.values() for w in ws})
+        slot_marks: dict[tuple[str, str], list[Mark]] = {}
+        vias: set[tuple[str, str]] = set()
+        for chunk in _chunks(ids):
+            q = select(t.mem_marks).where(tuple_(mk.tenant, mk.target).in_(chunk))
+            for r in (await conn.execute(q)).all():
+                m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                         r.via_candidate)
+                slot_marks.setdefault((m.tenant, m.target), []).append(m)
+                if m.via_candidate:
+                    vias.add((m.tenant, m.via_candidate))
+        confirmed: set[str] = set()
+        for chunk in _chunks(sorted(vias)):
+            q = select(mk.target).where(tuple_(mk.tenant, mk.target).in_(chunk),
+                                        mk.kind == "confirmed")
+            confirmed.update(r[0] for r in (await conn.execute(q)).all())
+        by_tenant: dict[str, list[Tombstone]] = {}
+        all_tombs = await store.tombstones(conn, {w.tenant for ws in existing.values()
+                                                  for w in ws}, upto=upto)
+        for ts in all_tombs:
+            by_tenant.setdefault(ts.tenant, []).append(ts)
+        rows: list[dict[str, Any]] = []
+        for slot in slot_list:
+            ws = existing.get(slot, [])
+            if not ws:
+                continue
+            ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), [])]
+            rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
+        for chunk in _chunks(slot_list, 500):
+            await conn.execute(delete(t.mem_versions).where(mv.slot.in_(chunk)))
+        if rows:
+            await conn.execute(t.mem_versions.insert(), rows)
+
+
+def _mark_row(m: Mark) -> dict[str, Any]:
+    return {"position": m.position, "tenant": m.tenant, "target": m.target, "kind": m.kind,
+            "order_key": m.order, "by_id": m.by_id, "via_candidate": m.via_candidate}
+
+
+async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
+    mv = t.mem_versions.c
+    q = select(mv.slot).where(mv.tenant == ts.tenant)
+    if ts.kind == "memory_id":
+        q = q.where(mv.memory_id == ts.memory_id)
+    elif ts.kind == "key":
+        q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
+    elif ts.kind == "prefix":
+        q = q.where(_prefix_match(mv.ns_path, ts.ns_path or ""))
+    else:
+        q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
+    return {r[0] for r in (await conn.execute(q.distinct())).all()}
+
+
+class TaskProjection:
+    """Task summaries: one row per task, rebuilt from its notes whenever one arrives."""
+
+    name = "tasks"
+    tables = (t.task_notes, t.tasks_view)
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        tn, tv = t.task_notes.c, t.tasks_view.c
+        notes = [se for se in batch if se.type in TASK_TYPES and se.task_key]
+        affected: set[tuple[str, str]] = {(se.tenant, str(se.task_key)) for se in notes}
+        if notes:
+            await conn.execute(t.task_notes.insert(), [
+                {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
+                 "type": se.type, "order_key": se.order_key,
+                 "body": _enc(note_body(se))} for se in notes])
+        upto = batch[-1].position
+        for se in batch:
+            if se.type == "memory.forgotten" and se.ns_path and se.event is not None \
+                    and "namespace_prefix" in se.event.data:
+                q = select(tv.tenant, tv.task_key).where(
+                    tv.tenant == se.tenant, _prefix_match(tv.ns_path, se.ns_path))
+                affected.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+        if not affected:
+            return
+        keys = sorted(affected)
+        by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
+        owners: dict[tuple[str, str], str] = {}
+        to = t.task_owners.c
+        for chunk in _chunks(keys):
+            q = select(t.task_notes).where(tuple_(tn.tenant, tn.task_key).in_(chunk))
+            for r in (await conn.execute(q)).all():
+                body = _dec(r.body)
+                by_task[(r.tenant, r.task_key)].append(
+                    Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
+            q2 = select(to.tenant, to.task_key, to.ns_path).where(
+                tuple_(to.tenant, to.task_key).in_(chunk))
+            owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
+        tombs = await store.tombstones(conn, {k[0] for k in keys}, upto=upto)
+        rows = []
+        erase: list[int] = []
+        for (tenant, task_key), ns in by_task.items():
+            owner = owners.get((tenant, task_key))
+            tt = [x for x in tombs if x.tenant == tenant]
+            res = summarize(tenant, task_key, owner, ns, tt)
+            erase.extend(n.position for n in ns if n.body is not None and (
+                res["purged"] or any(x.covers_task(tenant, task_key, owner, n.order)
+                                     for x in tt)))
+            forgotten_owner = owner is not None and any(
+                x.kind == "prefix" and owner.startswith(x.ns_path or "\x00") for x in tt)
+            rows.append({"tenant": tenant, "task_key": task_key, "ns_path": owner,
+                         "status": res["status"], "retain_until_us": res["retain_until_us"],
+                         "purged": bool(res["purged"] or forgotten_owner),
+                         "summary": res["summary"]})
+        for chunk in _chunks(erase, 500):
+            await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
+                               .values(body=None))
+        for chunk in _chunks(keys):
+            await conn.execute(delete(t.tasks_view).where(
+                tuple_(tv.tenant, tv.task_key).in_(chunk)))
+        await conn.execute(t.tasks_view.insert(), rows)
+
+
+def _enc(obj: Any) -> bytes | None:
+    return encode_json(obj) if obj is not None else None
+
+
+def _dec(raw: bytes | None) -> dict[str, Any] | None:
+    return orjson.loads(raw) if raw is not None else None
+
+
+class ErasureProjection:
+    """Erases covered content from the ledger's own payloads once a forget is appended.
+
+    The envelope, digest and hash chain stay, so `replay verify` still passes; the
+    content goes (R20). Views erase their own copies in their own projections.
+    """
+
+    name = "erasure"
+    tables = ()
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        tombs = [ts for ts in await store.tombstones(
+            conn, {se.tenant for se in batch if se.type in ("memory.forgotten", "task.purged")},
+            upto=batch[-1].position) if batch[0].position <= ts.position]
+        for ts in tombs:
+            await erase_payloads(conn, ts)
+
+
+async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:
+    """Null the payload of every event a tombstone covers; returns how many rows."""
+    ev = t.events.c
+    cond: Any
+    if ts.kind == "memory_id":
+        cond = and_(ev.memory_id == ts.memory_id, ev.type.in_(WRITE_TYPES))
+    elif ts.kind == "key":
+        cond = and_(ev.ns_path == ts.ns_path, ev.mkey == ts.mkey, ev.type.in_(WRITE_TYPES),
+                    ev.order_key <= ts.order_key)
+    elif ts.kind == "prefix":
+        cond = and_(_prefix_match(ev.ns_path, ts.ns_path or ""),
+                    ev.type.in_((*WRITE_TYPES, *TASK_CONTENT_TYPES)),
+                    ev.order_key <= ts.order_key)
+    else:
+        cond = and_(ev.task_key == ts.task_key, ev.order_key <= ts.order_key, or_(
+            ev.type.in_(TASK_CONTENT_TYPES), and_(ev.type.in_(WRITE_TYPES), ev.layer == "task")))
+    res = await conn.execute(update(t.events).where(ev.tenant == ts.tenant, cond,
+                                                   ev.payload.is_not(None))
+                             .values(payload=None, redacted=True))
+    return int(res.rowcount or 0)
+
+
+def default_projections() -> list[Projection]:
+    """Every projection, in the order `project` runs them."""
+    projs: list[Projection] = [MemoryProjection(), TaskProjection(), ErasureProjection()]
+    try:
+        vectors = importlib.import_module("projections.vectors")
+    except ImportError:  # the vector index is optional until its module exists
+        return projs
+    projs.append(vectors.VectorProjection())
+    return projs
+
+
+class Runner:
+    """Runs projections: one batch per call of `step`, or until caught up."""
+
+    def __init__(self, store: Store, projections: Sequence[Projection] | None = None,
+                 batch_size: int = 1000) -> None:
+        self.store = store
+        self.projections = list(projections or default_projections())
+        self.batch_size = batch_size
+
+    async def step(self, proj: Projection, upto: int | None = None) -> int:
+        """Apply one batch to one projection; returns how many events it applied."""
+        cp = t.checkpoints.c
+        async with self.store.view_write() as conn:
+            q = select(cp.position).where(cp.name == proj.name)
+            if self.store.dialect == "postgresql":
+                q = q.with_for_update()
+            row = (await conn.execute(q)).first()
+            if row is None:
+                await _ensure_checkpoint(conn, self.store, proj.name)
+                row = (await conn.execute(q)).first()
+                assert row is not None
+            position = int(row[0])
+            batch = await self.store.read_events(conn, position, self.batch_size, upto)
+            if not batch:
+                return 0
+            started = time.perf_counter()
+            await proj.apply(self.store, conn, batch)
+            await conn.execute(update(t.checkpoints).where(cp.name == proj.name)
+                               .values(position=batch[-1].position, updated_at=time.time()))
+        log.debug("projection_batch", projection=proj.name, position=batch[-1].position,
+                  events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1))
+        if proj.name == "erasure" and any(
+                se.type in ("memory.forgotten", "task.purged") for se in batch):
+            await self.store.sqlite_checkpoint()
+        return len(batch)
+
+    async def catch_up(self, upto: int | None = None) -> dict[str, int]:
+        """Run every projection until it reaches `upto` (default: the head now)."""
+        await self.store.open()
+        head = upto if upto is not None else await self.store.head()
+        applied: dict[str, int] = {}
+        for proj in self.projections:
+            n = 0
+            while True:
+                got = await self.step(proj, head)
+                n += got
+                if got == 0:
+                    break
+            applied[proj.name] = n
+        return applied
+
+    async def positions(self) -> dict[str, int]:
+        """Each projection's checkpoint position."""
+        await self.store.open()
+        cp = t.checkpoints.c
+        async with self.store.read() as conn:
+            rows = (await conn.execute(select(cp.name, cp.position))).all()
+        found = {r[0]: int(r[1]) for r in rows}
+        return {p.name: found.get(p.name, 0) for p in self.projections}
+
+
+async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:
+    ins = pg_insert if store.dialect == "postgresql" else sqlite_insert
+    await conn.execute(ins(t.checkpoints).values(name=name, position=0).on_conflict_do_nothing())
