@@ -14,7 +14,9 @@ do not match. The notable trade-offs are:
 * A card number must be 13..19 digits, pass the Luhn check and start with a
   digit from 2 to 6 (every major card network does). This keeps millisecond
   and nanosecond Unix timestamps, snowflake IDs and Chinese mobile numbers
-  (all starting with 1) from being taken for cards.
+  (all starting with 1) from being taken for cards. A 13-digit number must
+  start with 4 (only Visa issued those; EAN-13 barcodes look alike), and an
+  18-digit number that is a well-formed Chinese resident ID is not a card.
 * A grouped card number must follow a card layout: a first group of 4 digits,
   middle groups of 4..6 digits and a last group of 3..6 digits (4-4-4-4,
   4-6-5, 4-4-4-4-3 ...). Digits glued to ASCII letters, or after ``+``, ``.``
@@ -22,6 +24,8 @@ do not match. The notable trade-offs are:
 * After "password is" the value must contain something other than lowercase
   letters, and after a bare "password" it must contain a digit or a symbol;
   otherwise "password is required" or "a password manager" would match.
+  Chinese "密码是/为/：" needs an ASCII value, so "密码是什么" passes; numbers
+  under 4 digits are counts ("密码是6位数字"), not passwords.
 * Keyword-introduced keys and tokens ("api key: X", "token: X") need 16+
   characters mixing digits or letter cases; prefixed keys (``sk-``, ``ghp_``,
   ``AKIA`` ...) are matched on their prefix.
