@@ -62,10 +62,13 @@ CONCEPTS: Final[dict[str, str]] = {
     "return": "return|退货|退回",
     "exchange": "exchange|swap|换货|更换",
     "address": "address|地址|住址",
-    "delivery": "delivery|deliver|shipping|ship|shipment|courier|parcel|package|dispatch|送货|收货|签收|快递|配送|发货|物流|包裹|寄出",
+    "delivery": (
+        "delivery|deliver|shipping|ship|shipment|courier|parcel|package|dispatch"
+        "|送货|收货|签收|快递|配送|发货|物流|包裹|寄出"
+    ),
     "arrival": "arrive|arrival|到货|送达|到达",
     "brief": "brief|short|concise|succinct|简短|简洁|简要",
-    "detailed": "detailed|thorough|step by step|详细|具体",
+    "detailed": "detailed|thorough|verbose|详细|具体",
     "style": "style|tone|format|风格|语气|格式",
     "weekly": "weekly|every week|每周|按周|周报",
     "monthly": "monthly|every month|每月|按月|月报",
@@ -132,6 +135,7 @@ CONCEPTS: Final[dict[str, str]] = {
     "credit_card": "credit card|信用卡",
 }
 
+
 def _word_set(words: str) -> frozenset[str]:
     """Turn a whitespace-separated word list into a frozenset."""
     return frozenset(words.split())
@@ -158,16 +162,19 @@ _TOKEN_RE: Final[re.Pattern[str]] = re.compile(
     r"|(?P<cjk>[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+)"
 )
 
-# Base weight of each feature family, keyed by its one-character prefix. Whole words and
-# CJK bigrams carry meaning; character n-grams only rescue morphology, so they weigh less.
+# Base weight of each feature family, keyed by its one-character prefix: w latin word
+# (light stem), b latin word pair, g latin character 3-gram, u/z/t CJK character 1/2/3-gram,
+# c shared concept. Whole words and CJK bigrams carry the meaning; character n-grams only
+# rescue morphology and single CJK characters are ambiguous, so both weigh less, while a
+# concept hit is the only bridge between languages and so weighs most.
 _WEIGHTS: Final[dict[str, float]] = {
-    "w": 1.0,  # latin word (light stem)
-    "b": 0.6,  # latin word bigram
-    "g": 0.22,  # latin character 3-gram
-    "u": 0.35,  # CJK character unigram
-    "z": 1.0,  # CJK character bigram
-    "t": 0.5,  # CJK character trigram
-    "c": 1.3,  # shared concept
+    "w": 1.0,
+    "b": 0.6,
+    "g": 0.22,
+    "u": 0.35,
+    "z": 1.0,
+    "t": 0.5,
+    "c": 1.3,
 }
 
 _MAX_CJK_TERM: Final[int] = 4

@@ -122,7 +122,8 @@ def test_embed_is_deterministic_across_processes(hashgram: HashedNgramEmbedder) 
     )
     expected = hashgram.embed([text]).tobytes().hex()
     for seed in ("0", "4242"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}
         result = subprocess.run(
             [sys.executable, "-c", script],
             cwd=REPO_ROOT,
