@@ -347,7 +347,9 @@ class Store:
             if self._opened:
                 return self
             try:
-                async with self.engine.begin() as conn:
+                async with self.engine.connect() as c0:
+                    conn = await c0.execution_options(memledger_write=True)
+                    await conn.begin()
                     if self.dialect == "postgresql":
                         # Two processes creating the schema at once would race.
                         await conn.execute(text("SELECT pg_advisory_xact_lock(7231001)"))
@@ -362,6 +364,7 @@ class Store:
                         raise MemledgerError(
                             f"database schema version {row[0]} is newer than this "
                             f"memledger ({t.SCHEMA_VERSION}); upgrade memledger")
+                    await conn.commit()
             except (OperationalError, OSError) as e:
                 raise StoreUnavailable(f"cannot open ledger database: {_short(e)}") from e
             self._opened = True
@@ -738,7 +741,7 @@ def _install_sqlite_hooks(engine: AsyncEngine) -> None:
     def _connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000",
+        for pragma in ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
                        "secure_delete=ON", "foreign_keys=ON"):
             cur.execute(f"PRAGMA {pragma}")
         cur.close()

@@ -213,7 +213,7 @@ def _parse_source(src: object) -> Source:
 
 
 def _default_text(key: str, value: Any) -> str:
-    shown = value if isinstance(value, str) else orjson.dumps(value).decode()
+    shown = value if isinstance(value, str) else encode_json(value).decode()
     return f"{key}: {shown}"
 
 
