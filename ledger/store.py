@@ -455,7 +455,7 @@ class Store:
                 res = listener(head)
                 if asyncio.iscoroutine(res):
                     await res
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a listener never undoes a commit
                 log.warning("commit_listener_failed", error=_short(e))
 
     # -- reads --------------------------------------------------------------------------------

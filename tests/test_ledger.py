@@ -67,7 +67,7 @@ async def test_expected_version_conflict_appends_nothing(store: Store) -> None:
     await store.append_one(parse_event({**first, "expected_version": 0}))
     second = write("lang", "en")
     await store.append_one(parse_event({**second, "expected_version": 1}))
-    with pytest.raises(ConcurrencyConflict, match="expected version 1 .* at 2"):
+    with pytest.raises(ConcurrencyConflict, match=r"expected version 1 .* at 2"):
         await store.append_one(parse_event({**write("lang", "fr"), "expected_version": 1}))
     assert await store.head() == 2
 
