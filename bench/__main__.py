@@ -1,0 +1,94 @@
+"""Run every benchmark module, print one table, write `bench-out/results.json`.
+
+`python -m bench` (what `make bench` runs); `--only NAME` runs one module, `--quick`
+uses smaller sizes. Modules run in a fixed order; one not written yet is skipped, and
+one that fails is reported (exit status 1) without stopping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import orjson
+
+from bench.common import OUT_DIR, QUICK_ENV, format_table, machine
+
+ORDER = ("append", "projection", "get", "rebuild", "recall", "workers")
+
+
+def _load(name: str) -> Any:
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"bench.{name}":
+            return None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m bench`."""
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--only", choices=ORDER, action="append",
+                    help="run only this module (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    ap.add_argument("--out", default=str(OUT_DIR / "results.json"), help="JSON results file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        os.environ[QUICK_ENV] = "1"
+    names = [n for n in ORDER if not args.only or n in args.only]
+    everything: list[dict[str, Any]] = []
+    modules: dict[str, Any] = {}
+    failed = False
+    info = machine()
+    print(f"memledger bench: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, "
+          f"SQLite {info['sqlite']}{', quick sizes' if args.quick else ''}", flush=True)
+    for name in names:
+        try:
+            mod = _load(name)
+        except Exception:  # noqa: BLE001 - a broken module must not hide the others
+            traceback.print_exc()
+            modules[name] = {"status": "import failed"}
+            failed = True
+            continue
+        if mod is None:
+            print(f"[{name}] not written yet: skipped", flush=True)
+            modules[name] = {"status": "missing"}
+            continue
+        print(f"[{name}] running ...", flush=True)
+        started = time.perf_counter()
+        try:
+            results = asyncio.run(mod.run())
+        except Exception:  # noqa: BLE001 - report, keep going, exit 1 at the end
+            traceback.print_exc()
+            modules[name] = {"status": "failed",
+                             "seconds": round(time.perf_counter() - started, 1)}
+            failed = True
+            continue
+        seconds = time.perf_counter() - started
+        for r in results:
+            r.setdefault("module", name)
+        everything.extend(results)
+        modules[name] = {"status": "ok", "seconds": round(seconds, 1)}
+        print(format_table(results), flush=True)
+        print(f"[{name}] done in {seconds:.0f} s\n", flush=True)
+    if everything:
+        print("== all results ==")
+        print(format_table(everything))
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "wb") as f:
+        f.write(orjson.dumps({"machine": info, "quick": bool(args.quick), "modules": modules,
+                              "results": everything}, option=orjson.OPT_INDENT_2))
+    print(f"results written to {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Shared helpers of the benchmarks: sizes, temp directories, raw sqlite3, results, events.
+
+Every bench module exposes `async def run() -> list[dict]`; each dict is one figure
+beside the baseline measured in the same run (build it with `result`). A module runs
+alone with `python -m bench.<module> [--quick]` through `main(run)`.
+
+`ratio` is always the speed relative to the baseline, higher is better: value/baseline
+for rates (units ending in "/s"), baseline/value for latencies and durations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy import Table
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from ledger.events import Event
+from ledger.validation import parse_event
+
+QUICK_ENV: Final = "MEMLEDGER_BENCH_QUICK"
+OUT_DIR: Final = Path("bench-out")
+RESULT_KEYS: Final = ("name", "value", "unit", "baseline", "baseline_unit", "ratio", "note")
+
+
+# -- sizes --------------------------------------------------------------------------------
+
+def quick() -> bool:
+    """True when `--quick` asked for smaller sizes (set by `python -m bench --quick`)."""
+    return os.environ.get(QUICK_ENV, "") not in ("", "0")
+
+
+def size(full: int, small: int) -> int:
+    """`full` normally, `small` under `--quick`."""
+    return small if quick() else full
+
+
+# -- results ------------------------------------------------------------------------------
+
+def is_rate(unit: str) -> bool:
+    """Rates ("events/s") are better higher; anything else (us, ms, s) better lower."""
+    return unit.endswith("/s")
+
+
+def result(name: str, value: float, unit: str, baseline: float | None,
+           baseline_unit: str | None = None, note: str = "") -> dict[str, Any]:
+    """One benchmark figure beside its baseline; `ratio` > 1 means faster than baseline."""
+    bunit = baseline_unit or unit
+    ratio: float | None = None
+    if baseline is not None and baseline > 0 and value > 0:
+        ratio = value / baseline if is_rate(unit) else baseline / value
+    return {"name": name, "value": value, "unit": unit, "baseline": baseline,
+            "baseline_unit": bunit, "ratio": ratio, "note": note}
+
+
+def percentile(samples: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100) by nearest rank of a non-empty sample."""
+    ordered = sorted(samples)
+    rank = max(1, round(p / 100 * len(ordered) + 0.5 - 1e-9))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def fmt_num(x: float | None) -> str:
+    """A number for the table: three significant figures, thousands separated."""
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    """Results as an aligned text table."""
+    header = ("benchmark", "value", "baseline", "ratio", "note")
+    rows = [header]
+    for r in results:
+        value = f"{fmt_num(r['value'])} {r['unit']}"
+        base = f"{fmt_num(r['baseline'])} {r['baseline_unit']}" if r["baseline"] else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
+        rows.append((str(r["name"]), value, base, ratio, str(r["note"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0]), row[1].rjust(widths[1]),
+                 row[2].rjust(widths[2]), row[3].rjust(widths[3]), row[4]]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures were measured."""
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "sqlite": sqlite3.sqlite_version, "platform": platform.platform(),
+            "at": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def say(msg: str) -> None:
+    """Progress on stderr (the table goes to stdout)."""
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+# -- temp directories and databases -------------------------------------------------------
+
+@contextlib.contextmanager
+def workdir(name: str) -> Iterator[Path]:
+    """A fresh temporary directory, removed afterwards: never the user's memledger.db."""
+    with tempfile.TemporaryDirectory(prefix=f"memledger-bench-{name}-") as d:
+        yield Path(d)
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of a SQLite file."""
+    return f"sqlite+aiosqlite:///{path}"
+
+
+def raw_connect(path: Path) -> sqlite3.Connection:
+    """Raw sqlite3 as the baselines use it: WAL, synchronous=NORMAL, explicit BEGIN."""
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def create_like(conn: sqlite3.Connection, *tables: Table) -> None:
+    """Create tables with exactly the columns, keys and indexes of the memledger schema."""
+    dialect = sqlite_dialect.dialect()
+    for table in tables:
+        conn.execute(str(CreateTable(table).compile(dialect=dialect)))
+        for index in table.indexes:
+            conn.execute(str(CreateIndex(index).compile(dialect=dialect)))
+
+
+def insert_sql(table: Table) -> str:
+    """`INSERT INTO t (cols) VALUES (:cols)` for every column of a table."""
+    cols = [c.name for c in table.columns]
+    return (f"INSERT INTO {table.name} ({', '.join(cols)}) "
+            f"VALUES ({', '.join(':' + c for c in cols)})")
+
+
+def copy_sqlite(src: Path, dst: Path) -> None:
+    """Copy a closed SQLite database (and its WAL, if any) to a new path."""
+    with contextlib.closing(sqlite3.connect(str(src))) as s, \
+            contextlib.closing(sqlite3.connect(str(dst))) as d:
+        s.backup(d)
+
+
+# -- timing -------------------------------------------------------------------------------
+
+class Clock:
+    """Wall-clock seconds of a block: `with Clock() as c: ...; c.seconds`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> Clock:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+
+# -- events -------------------------------------------------------------------------------
+
+BASE_AT: Final = datetime(2026, 9, 1, tzinfo=UTC)
+VALUE_WORDS: Final = ("window seat", "aisle seat", "email", "phone", "English", "Chinese",
+                      "evening delivery", "no onions", "dark mode", "weekly digest")
+
+
+def at(seconds: int) -> str:
+    """An RFC 3339 source time `seconds` after a fixed base."""
+    return (BASE_AT + timedelta(seconds=seconds)).isoformat()
+
+
+def memory_write(tenant: str, user: str, key: str, value: Any, *, idem: str, when: int,
+                 source_id: str = "C1", supersedes: str | None = None,
+                 folder: str = "preferences") -> Event:
+    """A validated `memory.written` (or `memory.corrected` when it supersedes) event."""
+    data: dict[str, Any] = {"namespace": [tenant, user, folder], "key": key, "value": value}
+    if supersedes is not None:
+        data["supersedes"] = supersedes
+    return parse_event({
+        "type": "memory.corrected" if supersedes else "memory.written",
+        "idempotency_key": idem, "tenant": tenant, "actor": user,
+        "source": {"kind": "explicit_user_request", "id": source_id, "at": at(when)},
+        "data": data,
+    })
+
+
+def pref_value(rng: random.Random, n: int) -> dict[str, Any]:
+    """A small realistic preference value (about 100 bytes encoded)."""
+    return {"choice": rng.choice(VALUE_WORDS), "rank": n % 7,
+            "note": f"said in conversation, option {n % 97}"}
+
+
+def mixed_events(n: int, *, seed: int = 7, tenants: int = 4, users: int | None = None,
+                 corrections: float = 0.10, task_share: float = 0.10) -> list[Event]:
+    """A realistic stream of `n` validated events, in source order.
+
+    Mostly new long-term memories across many users, `corrections` of them correct an
+    existing slot (`memory.corrected` superseding the slot's newest version), and
+    `task_share` are task events (a user opens a task, then notes and system statuses).
+    """
+    rng = random.Random(seed)
+    users = users or max(50, n // 40)
+    people = [(f"shop-{i % tenants}", f"u{i}") for i in range(users)]
+    written: list[tuple[str, str, str, str]] = []  # tenant, user, key, newest memory_id
+    keys_of: dict[str, int] = {}
+    open_task: dict[str, str] = {}
+    events: list[Event] = []
+    for i in range(n):
+        r = rng.random()
+        when = i * 2
+        if r < task_share:
+            tenant, user = rng.choice(people)
+            task = open_task.get(user)
+            if task is None:
+                task = f"T{i}"
+                open_task[user] = task
+                events.append(parse_event({
+                    "type": "task.opened", "idempotency_key": f"e{i}", "tenant": tenant,
+                    "actor": user, "source": {"kind": "explicit_user_request",
+                                              "id": f"C{user}", "at": at(when)},
+                    "data": {"task_key": task, "namespace": [tenant, user],
+                             "refs": {"order": f"A{i}"}, "title": "earbuds not charging"}}))
+            elif rng.random() < 0.3:
+                events.append(parse_event({
+                    "type": "task.noted", "idempotency_key": f"e{i}", "tenant": tenant,
+                    "actor": "aftersales", "source": {"kind": "system_of_record",
+                                                      "id": "aftersales", "at": at(when)},
+                    "data": {"task_key": task, "kind": "system_status",
+                             "text": "replacement shipped",
+                             "fields": {"status": "shipped", "carrier": "SF"}}}))
+            else:
+                events.append(parse_event({
+                    "type": "task.noted", "idempotency_key": f"e{i}", "tenant": tenant,
+                    "actor": user, "source": {"kind": "explicit_user_request",
+                                              "id": f"C{user}", "at": at(when)},
+                    "data": {"task_key": task, "kind": "user_report",
+                             "text": "the right earbud still does not charge"}}))
+        elif r < task_share + corrections and written:
+            j = rng.randrange(len(written))
+            tenant, user, key, prior = written[j]
+            ev = memory_write(tenant, user, key, pref_value(rng, i), idem=f"e{i}", when=when,
+                              source_id=f"C{user}", supersedes=prior)
+            written[j] = (tenant, user, key, str(ev.memory_id))
+            events.append(ev)
+        else:
+            tenant, user = rng.choice(people)
+            k = keys_of.get(user, 0)
+            keys_of[user] = k + 1
+            key = f"pref_{k}"
+            ev = memory_write(tenant, user, key, pref_value(rng, i), idem=f"e{i}", when=when,
+                              source_id=f"C{user}")
+            written.append((tenant, user, key, str(ev.memory_id)))
+            events.append(ev)
+    return events
+
+
+# -- running ------------------------------------------------------------------------------
+
+def main(run: Callable[[], Awaitable[list[dict[str, Any]]]],
+         argv: Sequence[str] | None = None) -> int:
+    """Run one bench module from its `__main__` block and print its table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = ap.parse_args(argv)
+    if args.quick:
+        os.environ[QUICK_ENV] = "1"
+    results = asyncio.run(run())
+    print(format_table(results))
+    return 0
