@@ -56,6 +56,9 @@ events = Table(
     Column("mkey", String(256), nullable=True),
     Column("layer", String(8), nullable=True),
     Column("task_key", String(256), nullable=True),
+    # What a write supersedes is a reference, not content: it survives erasure, so a
+    # rebuild after a forget resolves supersession exactly as before it.
+    Column("supersedes", String(256), nullable=True),
     Column("payload", LargeBinary, nullable=True),
     Column("content_digest", String(64), nullable=False),
     Column("chain", String(64), nullable=False),

@@ -76,7 +76,7 @@ def envelope_of(row: dict[str, Any]) -> dict[str, Any]:
                    row["source_seq"], row["source_event_id"]],
         "order_key": bytes(row["order_key"]).hex(),
         "index": [row["slot"], row["memory_id"], row["ns_path"], row["mkey"], row["layer"],
-                  row["task_key"]],
+                  row["task_key"], row["supersedes"]],
         "content_digest": row["content_digest"],
         "suppressed": bool(row["suppressed"]),
         "recorded_at": row["recorded_at"],
@@ -121,6 +121,7 @@ class StoredEvent:
     redacted: bool
     content_digest: str
     event: Event | None = field(default=None, compare=False)
+    supersedes: str | None = None
 
     @property
     def has_content(self) -> bool:
@@ -144,6 +145,7 @@ STORED_COLUMNS: Final = (
     t.events.c.slot, t.events.c.memory_id, t.events.c.ns_path, t.events.c.mkey,
     t.events.c.layer, t.events.c.task_key, t.events.c.recorded_at, t.events.c.suppressed,
     t.events.c.redacted, t.events.c.content_digest, t.events.c.payload,
+    t.events.c.supersedes,
 )
 
 
@@ -153,7 +155,7 @@ def stored_from_row(r: Sequence[Any]) -> StoredEvent:
     ev = event_from_wire(orjson.loads(payload)) if payload is not None else None
     src = Source(r[5], r[6], r[7], r[8], r[9], to_us(parse_rfc3339(r[7])))
     return StoredEvent(r[0], r[1], r[2], r[3], r[4], src, bytes(r[10]), r[11], r[12], r[13],
-                       r[14], r[15], r[16], r[17], bool(r[18]), bool(r[19]), r[20], ev)
+                       r[14], r[15], r[16], r[17], bool(r[18]), bool(r[19]), r[20], ev, r[22])
 
 
 # -- tombstones ---------------------------------------------------------------------------
@@ -703,6 +705,7 @@ class _Appender:
             "order_key": ev.order, "slot": ev.slot, "memory_id": ev.memory_id,
             "ns_path": nsp, "mkey": d.get("key"), "layer": d.get("layer"),
             "task_key": ev.task_key,
+            "supersedes": d.get("supersedes") if ev.is_write else None,
             # A suppressed event keeps its envelope and digest, never its content (R22).
             "payload": None if suppressed else ev.encode(),
             "content_digest": dig, "recorded_at": recorded, "suppressed": suppressed,

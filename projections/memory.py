@@ -58,7 +58,7 @@ class Mark:
 
 def source_json(se: StoredEvent) -> bytes:
     """The source of an event as stored beside its view row."""
-    return encode_json({**se.source.to_wire(), "actor": se.actor, "position": se.position})
+    return encode_json({**se.source.to_wire(), "actor": se.actor})
 
 
 def write_fact(se: StoredEvent) -> WriteFact:
@@ -69,7 +69,8 @@ def write_fact(se: StoredEvent) -> WriteFact:
         tenant=se.tenant, memory_id=se.memory_id, slot=se.slot, ns_path=se.ns_path,
         key=se.mkey, layer=se.layer or "long", task_key=se.task_key, session_id=None,
         position=se.position, order=se.order_key, candidate=candidate, actor=se.actor,
-        source=source_json(se), suppressed=se.suppressed or se.event is None,
+        source=source_json(se), supersedes=se.supersedes,
+        suppressed=se.suppressed or se.event is None,
     )
     if se.event is None:
         return base
@@ -77,7 +78,7 @@ def write_fact(se: StoredEvent) -> WriteFact:
     return WriteFact(
         **{**_asdict(base), "session_id": d.get("session_id"),
            "value": encode_json(d["value"]), "text": d.get("text"), "scope": d.get("scope"),
-           "supersedes": d.get("supersedes"), "expires_at": d.get("expires_at")})
+           "expires_at": d.get("expires_at")})
 
 
 def _asdict(w: WriteFact) -> dict[str, Any]:
@@ -85,7 +86,17 @@ def _asdict(w: WriteFact) -> dict[str, Any]:
 
 
 def marks_of(se: StoredEvent) -> list[Mark]:
-    """The marks an event sets: explicit supersessions, confirmations, `supersedes`."""
+    """The marks an event sets: explicit supersessions, confirmations, `supersedes`.
+
+    A write's `supersedes` is read from the envelope, so it holds for suppressed and
+    erased writes too: the view must not depend on whether content arrived (R17).
+    """
+    if se.type in MEMORY_WRITES:
+        if not se.supersedes or not se.memory_id:
+            return []
+        candidate = se.layer == "long" and se.source.kind in CANDIDATE_KINDS
+        return [Mark(se.position, se.tenant, se.supersedes, "superseded", se.order_key,
+                     se.memory_id, se.memory_id if candidate else None)]
     ev = se.event
     if ev is None:
         return []
@@ -95,10 +106,6 @@ def marks_of(se: StoredEvent) -> list[Mark]:
                      d.get("superseded_by"))]
     if se.type == "memory.confirmed":
         return [Mark(se.position, se.tenant, d["memory_id"], "confirmed", se.order_key)]
-    if se.type in MEMORY_WRITES and d.get("supersedes"):
-        via = d["memory_id"] if ev.is_candidate else None
-        return [Mark(se.position, se.tenant, d["supersedes"], "superseded", se.order_key,
-                     d["memory_id"], via)]
     return []
 
 

@@ -68,7 +68,7 @@ class MemoryProjection:
         if not writes and not marks and not forgets:
             return
         if marks:
-            await conn.execute(t.mem_marks.insert(), [_mark_row(m) for m in marks])
+            await conn.execute(insert_ignore(store, t.mem_marks), [_mark_row(m) for m in marks])
         tenants = {se.tenant for se in batch}
         upto = batch[-1].position
         tombs = await store.tombstones(conn, tenants, upto=upto)
@@ -162,7 +162,7 @@ class TaskProjection:
         notes = [se for se in batch if se.type in TASK_TYPES and se.task_key]
         affected: set[tuple[str, str]] = {(se.tenant, str(se.task_key)) for se in notes}
         if notes:
-            await conn.execute(t.task_notes.insert(), [
+            await conn.execute(insert_ignore(store, t.task_notes), [
                 {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
                  "type": se.type, "order_key": se.order_key,
                  "body": _enc(note_body(se))} for se in notes])
@@ -332,6 +332,12 @@ class Runner:
             rows = (await conn.execute(select(cp.name, cp.position))).all()
         found = {r[0]: int(r[1]) for r in rows}
         return {p.name: found.get(p.name, 0) for p in self.projections}
+
+
+def insert_ignore(store: Store, table: Any) -> Any:
+    """INSERT that skips rows already there: re-applying a batch changes nothing."""
+    ins = pg_insert if store.dialect == "postgresql" else sqlite_insert
+    return ins(table).on_conflict_do_nothing()
 
 
 async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:

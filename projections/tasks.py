@@ -38,7 +38,8 @@ def note_body(se: StoredEvent) -> dict[str, Any] | None:
 
 
 def _src(body: dict[str, Any], position: int) -> dict[str, Any]:
-    return {**body["source"], "actor": body["actor"], "position": position}
+    # The ledger position is left out: a view must not depend on arrival order (R17).
+    return {**body["source"], "actor": body["actor"]}
 
 
 def summarize(tenant: str, task_key: str, owner_path: str | None, notes: Sequence[Note],
@@ -109,7 +110,8 @@ def summarize(tenant: str, task_key: str, owner_path: str | None, notes: Sequenc
     for c in corrections:
         # A user correction changes the task's description only once the system of record
         # states a fact after it (R5); until then it stays pending, apart from the facts.
-        c["pending"] = last_sys is None or last_sys.order < c.pop("_order")
+        order = c.pop("_order")
+        c["pending"] = last_sys is None or last_sys.order < order
     conflicts = _conflicts(reports, corrections, system)
     for n in closed:
         assert n.body is not None

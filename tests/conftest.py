@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 
+from ledger.logs import configure
 from ledger.store import Store
+
+configure("WARNING")
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_HOST = os.environ.get("MEMLEDGER_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432")

@@ -1,0 +1,43 @@
+"""Test helpers: dump views comparably, replay a ledger into a fresh database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ledger import schema as t
+from ledger.store import Store
+from projections.runner import Runner
+
+#: Columns that cite ledger positions: they depend on arrival order by nature.
+ARRIVAL_COLUMNS = {"position"}
+
+
+async def dump_views(store: Store, tables: tuple[Any, ...] = (t.mem_versions, t.tasks_view)
+                     ) -> dict[str, list[tuple[Any, ...]]]:
+    """Every view row, minus arrival-dependent columns, sorted."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    async with store.read() as conn:
+        for table in tables:
+            cols = [c for c in table.c if c.name not in ARRIVAL_COLUMNS]
+            rows = (await conn.execute(select(*cols))).all()
+            out[table.name] = sorted(
+                (tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows),
+                key=repr)
+    return out
+
+
+async def fresh_replay(store: Store, tmp_path: Path, name: str = "fresh") -> Store:
+    """Copy the ledger tables into a new SQLite database and project from scratch."""
+    fresh = Store(f"sqlite+aiosqlite:///{tmp_path / (name + '.db')}",
+                  register_path=str(tmp_path / (name + ".forgets")))
+    await fresh.open()
+    async with store.read() as src, fresh.write() as dst:
+        for table in (t.events, t.tombstones, t.task_owners):
+            rows = [dict(r._mapping) for r in (await src.execute(select(table))).all()]
+            if rows:
+                await dst.execute(table.insert(), rows)
+    await Runner(fresh).catch_up()
+    return fresh
