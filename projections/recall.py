@@ -1,48 +1,362 @@
 """Recall: pick the few memories to put before a model turn, and audit the choice.
 
-Pipeline (R15, R19, R26, R27): narrow by principal and layer -> score candidates
-(exact key, keyword) -> re-check validity (only active, unexpired, unforgotten rows
-are candidates at all) -> overrides (session over task over long-term for a key)
--> rank by relevance, then source reliability, then recency as a tie-breaker only
--> fit the token budget -> write an audit record of ids and scores, never values (R25).
+The pipeline (docs/recall.md; R14, R15, R19, R24-R27):
+
+1. **Narrow** by principal (tenant and `[tenant, user]` namespace prefix) and layer
+   (long-term, plus the given task and session only) *before* anything is ranked, so
+   similarity can never surface another user's data or another session's memories.
+2. **Candidates**: exact key matches, semantic neighbours of the query (brute-force
+   cosine over the principal's own vectors), every memory of the current task and
+   session, and writes the index has not caught up with yet.
+3. **Re-check** every candidate against the primary view: active, not expired, not
+   covered by a tombstone, still the principal's. A stale or lagging index row never
+   returns a superseded, expired, candidate or forgotten memory.
+4. **Rank** by relevance, then source reliability, then recency (source order) as a
+   tie-breaker only. How often a memory was recalled is never read.
+5. **Override**: for one namespace and key, session beats task beats long-term.
+6. **Budget**: tasks and items are taken in priority order (current-turn session
+   memories, then task facts and corrections, then the rest), each costed with
+   `estimate_tokens`, until `budget` or `limit` is reached.
+7. **Tasks**: the principal's open tasks the query refers to; several equally good
+   matches are all returned marked `ambiguous` (R4), never one guessed.
+8. **Audit** (R25): ids, versions, scores and reasons of what was returned, with a
+   digest of the query; never a value, never the query text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
+import re
 import uuid
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
 
+import numpy as np
 import orjson
+import structlog
+from numpy.typing import NDArray
+from sqlalchemy import and_, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.store import Store, now_iso
+from ledger.events import MEMORY_WRITES
+from ledger.store import Store
 from projections import reads
+from projections.embedding import Embedder
+from projections.vectors import (
+    PENDING_META,
+    TASK_PREFIX,
+    current_embedder,
+    from_blobs,
+    memory_text,
+    task_text,
+)
+
+log = structlog.get_logger("memledger.recall")
 
 #: How much a source is trusted when two memories are equally relevant (R19).
-RELIABILITY = {"explicit_user_request": 1.0, "operator": 0.95, "system_of_record": 0.9,
-               "user_statement": 0.7, "model_inference": 0.5, "tool_output": 0.3,
-               "retrieved_document": 0.3}
+RELIABILITY: Final = {
+    "explicit_user_request": 1.0, "operator": 0.95, "system_of_record": 0.9,
+    "user_statement": 0.7, "model_inference": 0.5, "tool_output": 0.3,
+    "retrieved_document": 0.3}
+#: A long-term memory less similar than this to the query is not recalled.
+MIN_RELEVANCE: Final = 0.05
+#: Relevance of a memory whose key the query names (as words, e.g. "reply language").
+KEY_NAMED: Final = 0.6
+#: Relevance is compared at this precision, so that near-equal scores fall through to
+#: source reliability and then recency (R19) instead of to noise in the last digits.
+RELEVANCE_DIGITS: Final = 3
+#: A task must be at least this similar to the query to be offered at all.
+TASK_MIN: Final = 0.15
+#: Tasks within this much of the best match are equally good candidates: ambiguous (R4).
+TASK_MARGIN: Final = 0.1
+#: Semantic neighbours re-checked per round (grown when re-checks drop too many).
+POOL: Final = 48
+#: Writes newer than the index considered directly: at most this many, this recent.
+LAG_MAX: Final = 256
+LAG_WINDOW: Final = 5000
+CACHE_ENV: Final = "MEMLEDGER_RECALL_CACHE_MB"
+
+
+# -- token budget -------------------------------------------------------------------------
+
+_RUNS: Final = re.compile(
+    r"(?P<wide>[\u1100-\u11ff\u2e80-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff"
+    r"\ufe30-\ufe4f\uff00-\uffef])"
+    r"|(?P<astral>[\U00010000-\U0010ffff])"
+    r"|(?P<word>[A-Za-z\u00c0-\u024f\u0370-\u03ff\u0400-\u04ff]+)"
+    r"|(?P<digits>[0-9]+)"
+    r"|(?P<space>\s+)"
+    r"|(?P<other>.)", re.S)
 
 
 def estimate_tokens(text: str) -> int:
-    """A conservative token estimate: one per CJK character, one per 4 other characters.
+    """A conservative token estimate that is right for CJK text too.
 
-    Tokenisers give CJK text about one token per character, and English about one
-    per four characters; counting high keeps a budget from being overrun.
+    One token per CJK ideograph, kana, hangul syllable or full-width form (tokenisers
+    give CJK text about one token per character, where the 4-characters-per-token rule
+    of English would undercount it four times); two per character outside the BMP
+    (emoji, rare ideographs); a latin, greek or cyrillic word costs one per 4 letters,
+    rounded up; digits one per 3; whitespace nothing (it merges into the next token);
+    any other character one.
     """
-    cjk = sum(1 for c in text if "\u3000" <= c <= "\u9fff" or "\uf900" <= c <= "\ufaff")
-    other = len(text) - cjk
-    return cjk + math.ceil(other / 4)
+    n = 0
+    for m in _RUNS.finditer(text):
+        kind = m.lastgroup
+        if kind == "wide" or kind == "other":
+            n += 1
+        elif kind == "astral":
+            n += 2
+        elif kind == "word":
+            n += math.ceil(len(m.group()) / 4)
+        elif kind == "digits":
+            n += math.ceil(len(m.group()) / 3)
+    return n
+
+
+def render_item(item: dict[str, Any]) -> str:
+    """How an app puts a memory in a prompt: `key: value` (what the budget counts)."""
+    value = item["value"]
+    shown = value if isinstance(value, str) else orjson.dumps(value).decode()
+    return f"{item['key']}: {shown}"
 
 
 def item_tokens(item: dict[str, Any]) -> int:
-    """Tokens an item costs in a prompt: its key and value as the app would render them."""
-    value = item["value"] if isinstance(item["value"], str) else orjson.dumps(
-        item["value"]).decode()
-    return estimate_tokens(f"{item['key']}: {value}") + 2
+    """Tokens an item costs in a prompt: its rendering plus 2 for the line around it."""
+    return estimate_tokens(render_item(item)) + 2
 
+
+def task_tokens(task: dict[str, Any]) -> int:
+    """Tokens a task summary costs: its JSON as returned, plus 2."""
+    return estimate_tokens(orjson.dumps(task).decode()) + 2
+
+
+# -- the principal's vector matrix, cached ------------------------------------------------
+
+@dataclass(eq=False)
+class PrincipalIndex:
+    """One principal's vectors of one model, as loaded at a `vectors` checkpoint.
+
+    Memory rows are ordered long-term first, then grouped by task or session, so the
+    layer filter is a slice taken before any score is computed.
+    """
+
+    position: int
+    pending: bool
+    model: str
+    dim: int
+    ids: list[str]
+    keys: list[str]
+    n_long: int
+    groups: dict[tuple[str, str], tuple[int, int]]
+    matrix: NDArray[np.float32]
+    recency: NDArray[np.int64]  # long-term row indexes, newest source order first
+    key_rows: dict[str, list[int]]
+    task_ids: list[str]
+    task_matrix: NDArray[np.float32]
+    id_set: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory held."""
+        return int(self.matrix.nbytes + self.task_matrix.nbytes + 200 * len(self.ids))
+
+
+class IndexCache:
+    """An LRU of principal indexes, bounded in bytes (`MEMLEDGER_RECALL_CACHE_MB`)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        mb = int(os.environ.get(CACHE_ENV, "1024"))
+        self.max_bytes = max_bytes if max_bytes is not None else mb * 1024 * 1024
+        self._items: OrderedDict[tuple[str, ...], PrincipalIndex] = OrderedDict()
+        self._bytes = 0
+        self.loads = 0
+
+    def get(self, key: tuple[str, ...]) -> PrincipalIndex | None:
+        """The cached index, marked as recently used."""
+        idx = self._items.get(key)
+        if idx is not None:
+            self._items.move_to_end(key)
+        return idx
+
+    def put(self, key: tuple[str, ...], idx: PrincipalIndex) -> None:
+        """Cache an index, evicting the least recently used beyond the byte bound."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._items[key] = idx
+        self._bytes += idx.nbytes
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, gone = self._items.popitem(last=False)
+            self._bytes -= gone.nbytes
+
+    def clear(self) -> None:
+        """Forget every cached index."""
+        self._items.clear()
+        self._bytes = 0
+
+
+CACHE = IndexCache()
+
+
+def _norm_key(text: str) -> str:
+    return " ".join(re.findall(r"[^\W_]+", text.casefold()))
+
+
+async def _vectors_position(conn: AsyncConnection) -> tuple[int, bool]:
+    cp = t.checkpoints.c
+    pos = (await conn.execute(select(cp.position).where(cp.name == "vectors"))).scalar()
+    pending = (await conn.execute(select(t.meta.c.value).where(
+        t.meta.c.name == PENDING_META))).scalar()
+    return int(pos or 0), pending is not None
+
+
+async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
+                          emb: Embedder) -> PrincipalIndex:
+    """The principal's vectors at the current `vectors` checkpoint (cached)."""
+    position, pending = await _vectors_position(conn)
+    key = (store.url, who.tenant, who.user, emb.name)
+    cached = CACHE.get(key)
+    if cached is not None and cached.position == position:
+        return cached
+    if cached is not None and not pending and not cached.pending \
+            and cached.position < position <= cached.position + LAG_WINDOW \
+            and not await _touched(conn, who, cached, position):
+        cached.position = position  # nothing of this principal changed in between
+        return cached
+    idx = await _load_index(conn, store, who, emb, position, pending)
+    CACHE.put(key, idx)
+    return idx
+
+
+async def _touched(conn: AsyncConnection, who: reads.Principal, idx: PrincipalIndex,
+                   position: int) -> bool:
+    """Did any event in (idx.position, position] concern this principal's items?"""
+    ev = t.events.c
+    rows = (await conn.execute(select(ev.ns_path, ev.memory_id).where(
+        ev.position > idx.position, ev.position <= position, ev.tenant == who.tenant))).all()
+    unknown: set[str] = set()
+    for ns, mid in rows:
+        if ns is not None:
+            if ns.startswith(who.prefix) or who.prefix.startswith(ns):
+                return True
+        elif mid is not None:
+            if mid in idx.id_set:
+                return True
+            unknown.add(mid)
+        else:
+            return True
+    if unknown:
+        mv = t.mem_versions.c
+        q = select(func.count()).where(mv.tenant == who.tenant, mv.memory_id.in_(
+            sorted(unknown)), reads.prefix_match(mv.ns_path, who.prefix))
+        return bool((await conn.execute(q)).scalar())
+    return False
+
+
+async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
+                      emb: Embedder, position: int, pending: bool) -> PrincipalIndex:
+    vc, mv = t.vectors.c, t.mem_versions.c
+    conds = [vc.tenant == who.tenant, reads.prefix_match(vc.ns_path, who.prefix)]
+    if store.dialect == "sqlite":
+        # A range the (tenant, ns_path) index can serve; SQLite compares TEXT bytewise.
+        conds += [vc.ns_path >= who.prefix, vc.ns_path < who.prefix[:-1] + "\x20"]
+    q = (select(vc.item_id, vc.kind, vc.layer, vc.task_key, vc.session_id, vc.model,
+                vc.dim, vc.vector, mv.mkey, mv.order_key)
+         .select_from(t.vectors.outerjoin(t.mem_versions, and_(
+             mv.tenant == vc.tenant, mv.memory_id == vc.item_id)))
+         .where(*conds))
+    rows = (await conn.execute(q)).all()
+    CACHE.loads += 1
+    other = sum(1 for r in rows if r.model != emb.name or r.dim != emb.dim)
+    if other:
+        log.warning("vectors_of_other_model", entries=other, model=emb.name,
+                    hint="run `memledger replay rebuild --projection vectors`")
+    mems = [r for r in rows if r.kind == "memory" and r.model == emb.name and r.dim == emb.dim]
+    tasks = [r for r in rows if r.kind == "task" and r.model == emb.name and r.dim == emb.dim]
+
+    def group(r: Any) -> tuple[int, str, str]:
+        if r.layer == "long":
+            return (0, "", "")
+        return (1, r.layer, (r.task_key if r.layer == "task" else r.session_id) or "")
+
+    mems.sort(key=group)
+    groups: dict[tuple[str, str], tuple[int, int]] = {}
+    n_long = 0
+    for i, r in enumerate(mems):
+        g = group(r)
+        if g[0] == 0:
+            n_long = i + 1
+            continue
+        start, _ = groups.get((g[1], g[2]), (i, i))
+        groups[(g[1], g[2])] = (start, i + 1)
+    key_rows: dict[str, list[int]] = {}
+    for i, r in enumerate(mems):
+        if r.mkey:
+            key_rows.setdefault(_norm_key(r.mkey), []).append(i)
+    orders = [bytes(r.order_key) if r.order_key is not None else b"" for r in mems[:n_long]]
+    recency = np.asarray(sorted(range(n_long), key=orders.__getitem__, reverse=True),
+                         dtype=np.int64)
+    ids = [r.item_id for r in mems]
+    return PrincipalIndex(
+        position=position, pending=pending, model=emb.name, dim=emb.dim, ids=ids,
+        keys=[r.mkey or "" for r in mems], n_long=n_long, groups=groups,
+        matrix=from_blobs([bytes(r.vector) for r in mems], emb.dim), recency=recency,
+        key_rows=key_rows, task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
+        task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),
+        id_set=frozenset(ids))
+
+
+# -- candidates ---------------------------------------------------------------------------
+
+@dataclass
+class _Candidate:
+    relevance: float
+    basis: str
+
+
+def _top(scores: NDArray[np.float32], k: int, floor: float) -> NDArray[np.int64]:
+    """Indexes of the k best scores at or above `floor`, best first."""
+    idx = np.argpartition(-scores, k - 1)[:k] if len(scores) > k else np.arange(len(scores))
+    idx = idx[scores[idx] >= floor]
+    return idx[np.argsort(-scores[idx], kind="stable")].astype(np.int64)
+
+
+def _key_matches(idx: PrincipalIndex, query: str) -> dict[int, _Candidate]:
+    """Rows whose key the query is (exact) or names as a run of words."""
+    out: dict[int, _Candidate] = {}
+    words = _norm_key(query).split()
+    whole = " ".join(words)
+    for i in idx.key_rows.get(whole, []):
+        out[i] = _Candidate(1.0, "exact key match")
+    for n in range(min(len(words), 6), 0, -1):
+        for s in range(len(words) - n + 1):
+            phrase = " ".join(words[s:s + n])
+            if phrase == whole or (n == 1 and len(phrase) < 4):
+                continue
+            for i in idx.key_rows.get(phrase, []):
+                out.setdefault(i, _Candidate(KEY_NAMED, "the query names its key"))
+    return out
+
+
+async def _lagging_writes(conn: AsyncConnection, who: reads.Principal,
+                          position: int) -> list[str]:
+    """Memory ids of the principal's writes after the index checkpoint (most recent first)."""
+    ev = t.events.c
+    head = select(func.max(ev.position)).scalar_subquery()
+    q = (select(ev.memory_id).where(
+        ev.position > position, ev.position > head - LAG_WINDOW, ev.tenant == who.tenant,
+        ev.type.in_(sorted(MEMORY_WRITES)), reads.prefix_match(ev.ns_path, who.prefix))
+        .order_by(ev.position.desc()).limit(LAG_MAX))
+    return [r[0] for r in (await conn.execute(q)).all() if r[0] is not None]
+
+
+# -- the pipeline -------------------------------------------------------------------------
 
 async def recall(store: Store, principal: str, *, query: str | None, session: str | None,
                  task: str | None, budget: int | None, limit: int, now_us: int
@@ -50,59 +364,242 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     """Run the recall pipeline for a principal; see the module docstring."""
     who = reads.Principal.parse(principal)
     await store.open()
+    emb = current_embedder()
+    qtext = (query or "").strip() or None
+    qvec = emb.embed([qtext])[0] if qtext else None
     async with store.read() as conn:
-        rows = await reads.active_memories(conn, who, now_us=now_us, task=task,
-                                           session=session)
+        idx = await principal_index(conn, store, who, emb)
+        lag = await _lagging_writes(conn, who, idx.position)
+        rows, cands = await _valid_candidates(conn, who, idx, qtext, qvec, lag, emb,
+                                              task=task, session=session, limit=limit,
+                                              now_us=now_us)
         open_tasks = await reads.tasks(conn, who)
-    best: dict[tuple[str, str], Any] = {}
-    for r in rows:
-        k = (r.ns_path, r.mkey)
-        if k not in best or reads.LAYER_RANK[r.layer] < reads.LAYER_RANK[best[k].layer]:
-            best[k] = r  # session overrides task overrides long-term (R8, R27)
-    scored: list[tuple[float, float, int, dict[str, Any], str]] = []
-    for r in best.values():
-        item = reads.memory_item(r)
-        rel = RELIABILITY.get(item["source"].get("kind", ""), 0.5)
-        if query:
-            exact = query.strip().casefold() == r.mkey.casefold()
-            score = 1.0 if exact else reads.keyword_score(query, f"{r.mkey} {r.text or ''}")
-            reason = "exact key match" if exact else f"keyword match {score:.2f}"
-            if score <= 0 and r.layer == "long":
-                continue
-            if score <= 0:
-                reason = f"in current {r.layer}"
-        else:
-            score = 1.0
-            reason = f"active {r.layer} memory in scope"
-        scored.append((score, rel, r.position, item, reason))
-    scored.sort(key=lambda s: (-s[0], -s[1], -s[2]))
-    items: list[dict[str, Any]] = []
-    used = 0
-    for score, _rel, _pos, item, reason in scored[: max(limit * 4, limit)]:
-        if len(items) >= limit:
-            break
-        cost = item_tokens(item)
-        if budget is not None and used + cost > budget:
-            continue
-        used += cost
-        items.append({**item, "score": round(score, 4), "reason": reason, "tokens": cost})
-    if task is not None:
-        open_tasks = [x for x in open_tasks if x["task_key"] == task]
-    audit_id = await _audit(store, who, query, items)
-    return {"items": items, "tasks": open_tasks, "audit_id": audit_id,
+    items = _rank(rows, cands, qtext is not None)
+    chosen_tasks = _relevant_tasks(open_tasks, idx, emb, qtext, qvec, task)
+    picked_tasks, picked, used = _fit(chosen_tasks, items, budget, limit)
+    audit_id = await _audit(store, who, qtext, picked, picked_tasks, now_us)
+    return {"items": picked, "tasks": picked_tasks, "audit_id": audit_id,
             "tokens": used, "budget": budget}
 
 
+async def _valid_candidates(conn: AsyncConnection, who: reads.Principal,
+                            idx: PrincipalIndex, qtext: str | None,
+                            qvec: NDArray[np.float32] | None, lag: list[str], emb: Embedder,
+                            *, task: str | None, session: str | None, limit: int,
+                            now_us: int) -> tuple[list[Any], dict[str, _Candidate]]:
+    """Candidates re-checked against the active view: (rows, relevance by memory id)."""
+    cands: dict[str, _Candidate] = {}
+    basis = "semantic match" if qvec is not None else "in scope"
+    # Every memory of the current task and session (a slice of the index, R2).
+    for group in (("task", task), ("session", session)):
+        if group[1] is None or (group[0], group[1]) not in idx.groups:
+            continue
+        lo, hi = idx.groups[(group[0], group[1])]
+        sims = idx.matrix[lo:hi] @ qvec if qvec is not None else np.ones(hi - lo)
+        for j in range(lo, hi):
+            cands[idx.ids[j]] = _Candidate(float(sims[j - lo]), basis)
+    if qtext is not None:
+        for i, c in _key_matches(idx, qtext).items():
+            mid = idx.ids[i]
+            sim = float(idx.matrix[i] @ qvec) if qvec is not None else 0.0
+            if (i < idx.n_long or mid in cands) and c.relevance > sim:
+                cands[mid] = c
+    # Long-term neighbours, best first; fetched in growing rounds when re-checks drop
+    # many (a stale index), so a lagging index costs time, never correctness.
+    scores = idx.matrix[:idx.n_long] @ qvec if qvec is not None else None
+
+    def ranked(k: int) -> NDArray[np.int64]:
+        if scores is None:
+            return idx.recency[:k]
+        return _top(scores, k, MIN_RELEVANCE)
+
+    lag_ids = [m for m in lag if m not in idx.id_set]
+    valid: dict[str, Any] = {}
+    checked: set[str] = set()
+    want = [*cands, *lag_ids]
+    k = POOL + 4 * limit
+    for _round in range(4):
+        order = ranked(k)
+        for i in order:
+            mid = idx.ids[int(i)]
+            if mid not in cands:
+                cands[mid] = _Candidate(float(scores[int(i)]) if scores is not None else 1.0,
+                                        basis)
+            want.append(mid)
+        todo = [m for m in dict.fromkeys(want) if m not in checked]
+        for s in range(0, len(todo), 500):
+            for r in await reads.active_memories(conn, who, now_us=now_us, task=task,
+                                                 session=session, memory_ids=todo[s:s + 500]):
+                valid[r.memory_id] = r
+        checked.update(todo)
+        want = []
+        if len(order) < k or sum(1 for r in valid.values() if r.layer == "long") >= limit:
+            break
+        k *= 4
+    # Writes the index has not caught up with: score their text now.
+    fresh = [valid[m] for m in lag_ids if m in valid and m not in cands]
+    if fresh:
+        sims = (emb.embed([memory_text(r.mkey, r.value, r.text) for r in fresh]) @ qvec
+                if qvec is not None else np.ones(len(fresh)))
+        q = _norm_key(qtext) if qtext is not None else None
+        for r, sim in zip(fresh, sims, strict=True):
+            cands[r.memory_id] = (_Candidate(1.0, "exact key match") if q == _norm_key(r.mkey)
+                                  else _Candidate(float(sim), basis))
+    return list(valid.values()), cands
+
+
+def _tier(r: Any) -> int:
+    """Budget priority (R26): the current turn's session memories, then task facts and
+    corrections, then everything else."""
+    if r.layer == "session":
+        return 0
+    if r.layer == "task" or r.version > 1 or r.supersedes:
+        return 1
+    return 2
+
+
+def _rank(rows: Sequence[Any], cands: dict[str, _Candidate], has_query: bool
+          ) -> list[tuple[Any, float, str]]:
+    """Overrides, then priority and rank order: [(row, relevance, reason)]."""
+    by_key: dict[tuple[str, str], list[Any]] = {}
+    for r in rows:
+        by_key.setdefault((r.ns_path, r.mkey), []).append(r)
+    out: list[tuple[Any, float, str]] = []
+    for group in by_key.values():
+        group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
+        win = group[0]
+        c = cands.get(win.memory_id, _Candidate(0.0, "semantic match"))
+        rel = max(cands[r.memory_id].relevance if r.memory_id in cands else 0.0
+                  for r in group)
+        basis = c.basis if c.relevance >= rel else next(
+            cands[r.memory_id].basis for r in group
+            if r.memory_id in cands and cands[r.memory_id].relevance == rel)
+        if win.layer == "long" and has_query and rel < MIN_RELEVANCE:
+            continue
+        reason = [f"{basis} {rel:.2f}" if basis == "semantic match" else basis]
+        lower = [r.layer for r in group[1:]]
+        if win.layer == "session":
+            reason.append("current session memory"
+                          + (", overrides the stored value for this turn (R27)"
+                             if lower else ""))
+        elif win.layer == "task":
+            reason.append("current task fact"
+                          + (", overrides the long-term value in this task (R8)"
+                             if lower else ""))
+        else:
+            reason.append("long-term memory")
+        if win.layer == "long" and (win.version > 1 or win.supersedes):
+            reason.append(f"correction (version {win.version})")
+        kind = _source_kind(win)
+        reason.append(f"source {kind}")
+        out.append((win, rel, "; ".join(reason)))
+    # Recency (source order, newest first) only breaks ties left by relevance and then
+    # by source reliability (R19); both sorts are stable.
+    out.sort(key=lambda x: bytes(x[0].order_key), reverse=True)
+    out.sort(key=lambda x: (_tier(x[0]), -round(x[1], RELEVANCE_DIGITS),
+                            -RELIABILITY.get(_source_kind(x[0]), 0.5)))
+    return out
+
+
+def _source_kind(r: Any) -> str:
+    return str(orjson.loads(r.source).get("kind", ""))
+
+
+_REF_EDGE = r"(?<![0-9a-z]){}(?![0-9a-z])"
+
+
+def _relevant_tasks(open_tasks: list[dict[str, Any]], idx: PrincipalIndex, emb: Embedder,
+                    qtext: str | None, qvec: NDArray[np.float32] | None, task: str | None
+                    ) -> list[dict[str, Any]]:
+    """The open tasks the turn is about (R4): the current one, or the query's matches."""
+    if task is not None:
+        return [{**x, "score": 1.0, "reason": "current task", "ambiguous": False}
+                for x in open_tasks if x["task_key"] == task]
+    if qtext is None or qvec is None:
+        return [{**x, "score": 1.0, "reason": "open task", "ambiguous": False}
+                for x in open_tasks]
+    if not open_tasks:
+        return []
+    q = qtext.casefold()
+    exact: list[dict[str, Any]] = []
+    for x in open_tasks:
+        refs = [x["task_key"], *[str(v) for v in (x.get("refs") or {}).values()]]
+        if any(len(ref) >= 2 and re.search(_REF_EDGE.format(re.escape(ref.casefold())), q)
+               for ref in refs):
+            exact.append(x)
+    if exact:
+        amb = len(exact) > 1
+        return [{**x, "score": 1.0, "reason": "the query names this task or one of its "
+                 "references" + ("; several tasks match equally: ask which (R4)" if amb else ""),
+                 "ambiguous": amb} for x in exact]
+    pos = {k: i for i, k in enumerate(idx.task_ids)}
+    missing = [x for x in open_tasks if x["task_key"] not in pos]
+    sims: dict[str, float] = {}
+    if idx.task_ids:
+        s = idx.task_matrix @ qvec
+        sims = {k: float(s[i]) for k, i in pos.items()}
+    if missing:  # not indexed yet: embed the summary now
+        s2 = emb.embed([task_text(x["task_key"], x) for x in missing]) @ qvec
+        sims.update({x["task_key"]: float(v) for x, v in zip(missing, s2, strict=True)})
+    scored = sorted(((sims.get(x["task_key"], 0.0), x) for x in open_tasks),
+                    key=lambda p: -p[0])
+    best = scored[0][0]
+    if best < TASK_MIN:
+        return []
+    close = [(s, x) for s, x in scored if s >= max(TASK_MIN, best - TASK_MARGIN)]
+    amb = len(close) > 1
+    return [{**x, "score": round(s, 4),
+             "reason": f"semantic match {s:.2f} with the task summary"
+             + ("; several tasks match about equally: ask which (R4)" if amb else ""),
+             "ambiguous": amb} for s, x in close]
+
+
+def _fit(tasks: list[dict[str, Any]], ranked: list[tuple[Any, float, str]],
+         budget: int | None, limit: int
+         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """Take tasks, then items in priority order, while they fit the budget and limit."""
+    used = 0
+    picked_tasks: list[dict[str, Any]] = []
+    for x in tasks:
+        cost = task_tokens(x)
+        if budget is not None and used + cost > budget:
+            continue
+        used += cost
+        picked_tasks.append(x)
+    items: list[dict[str, Any]] = []
+    for r, rel, reason in ranked:
+        if len(items) >= limit:
+            break
+        item = reads.memory_item(r)
+        cost = item_tokens(item)
+        if budget is not None and used + cost > budget:
+            continue  # a smaller item further down may still fit
+        used += cost
+        items.append({**item, "score": round(rel, 4), "reason": reason, "tokens": cost})
+    return picked_tasks, items, used
+
+
 async def _audit(store: Store, who: reads.Principal, query: str | None,
-                 items: list[dict[str, Any]]) -> str:
+                 items: list[dict[str, Any]], tasks: list[dict[str, Any]],
+                 now_us: int) -> str:
+    """Write the audit record of a recall (R25): ids and scores, never values."""
     audit_id = uuid.uuid4().hex
-    record = [{"memory_id": i["memory_id"], "version": i["version"], "layer": i["layer"],
-               "score": i["score"], "reason": i["reason"],
-               "source": {k: i["source"].get(k) for k in ("kind", "id", "at")}}
-              for i in items]
+    # Only what the ledger's envelope keeps after a forget (ids, version, layer,
+    # namespace, source kind/id/time/position) plus score and a templated reason: a
+    # forget leaves nothing in here to erase.
+    record: list[dict[str, Any]] = [
+        {"kind": "memory", "memory_id": i["memory_id"], "version": i["version"],
+         "layer": i["layer"], "namespace": i["namespace"], "score": i["score"],
+         "reason": i["reason"],
+         "source": {k: i["source"].get(k) for k in ("kind", "id", "at", "position")}}
+        for i in items]
+    record.extend({"kind": "task", "task_key": x["task_key"], "score": x["score"],
+                   "reason": x["reason"], "ambiguous": x["ambiguous"]} for x in tasks)
+    at = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=now_us)).isoformat(
+        timespec="microseconds")
     async with store.view_write() as conn:
         await conn.execute(t.recall_audit.insert().values(
-            audit_id=audit_id, at=now_iso(), tenant=who.tenant,
+            audit_id=audit_id, at=at, tenant=who.tenant,
             principal=f"{who.tenant}/{who.user}",
             query_digest=hashlib.sha256(query.encode()).hexdigest() if query else None,
             items=orjson.dumps(record)))

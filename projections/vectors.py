@@ -1,0 +1,300 @@
+"""The vector index: one embedding per active memory and per open task summary.
+
+The `vectors` view holds, for every memory whose status is `active` in `mem_versions`
+(expiry is a read-time fact and is re-checked by recall) and every open, unpurged task,
+one float32 vector with the embedder's model name and width beside it. A superseded,
+candidate or forgotten memory and a closed, purged or forgotten task have no entry
+(R14, R20).
+
+Entries are computed from the *current* rows of `mem_versions` and `tasks_view` for
+the items a batch touches, never from the events alone: the active-memory rules live
+in one place (`projections.memory`). So the result does not depend on whether this
+projection runs ahead of or behind the views it reads; when it runs ahead, the range
+it could not settle is remembered (`meta` row `vectors.pending_after`) and re-read with
+the next batch, so the index converges once the other views catch up.
+
+The embedder comes from `MEMLEDGER_EMBEDDER` (default: the offline hashed n-gram
+embedder). Changing it re-embeds everything through `memledger replay rebuild
+--projection vectors`; until then recall ignores entries of another model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any, Final
+
+import numpy as np
+import orjson
+from numpy.typing import NDArray
+from sqlalchemy import and_, delete, exists, func, or_, select, tuple_
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.events import MEMORY_WRITES, TASK_TYPES
+from ledger.store import Store, StoredEvent, Tombstone
+from projections.embedding import Embedder, get_embedder
+from projections.reads import not_forgotten, prefix_match
+
+EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
+#: `meta` row: events after this position may have been indexed from views that lagged.
+PENDING_META: Final = "vectors.pending_after"
+#: The views the index is computed from.
+SOURCE_VIEWS: Final = ("memories", "tasks")
+TASK_PREFIX: Final = "task:"
+_FORGETS: Final = ("memory.forgotten", "task.purged")
+_MARKS: Final = ("memory.superseded", "memory.confirmed")
+
+
+@lru_cache(maxsize=8)
+def _embedder(name: str) -> Embedder:
+    return get_embedder(name or None)
+
+
+def current_embedder() -> Embedder:
+    """The embedder this process indexes and queries with (`MEMLEDGER_EMBEDDER`)."""
+    return _embedder(os.environ.get(EMBEDDER_ENV, "").strip())
+
+
+def to_blob(vec: NDArray[np.float32]) -> bytes:
+    """A vector as stored: little-endian float32 bytes."""
+    return np.asarray(vec, dtype="<f4").tobytes()
+
+
+def from_blobs(blobs: Sequence[bytes], dim: int) -> NDArray[np.float32]:
+    """Stored vectors as one `(n, dim)` float32 matrix."""
+    if not blobs:
+        return np.zeros((0, dim), dtype=np.float32)
+    return np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(blobs), dim).astype(
+        np.float32, copy=False)
+
+
+def memory_text(key: str, value: bytes | None, text: str | None) -> str:
+    """What a memory is indexed by: its `text` (validation defaults it to "key: value")."""
+    if text:
+        return text
+    shown = "" if value is None else orjson.loads(value)
+    return f"{key}: {shown if isinstance(shown, str) else orjson.dumps(shown).decode()}"
+
+
+def task_text(task_key: str, summary: dict[str, Any]) -> str:
+    """What a task is indexed by: key, title, refs, user reports, todos, system status."""
+    parts = [task_key, summary.get("title") or ""]
+    for name, ref in (summary.get("refs") or {}).items():
+        parts.append(f"{name} {ref}")
+    parts.extend(r.get("text", "") for r in summary.get("reports") or [])
+    parts.extend(c.get("text", "") for c in summary.get("corrections") or [])
+    parts.extend(td.get("text", "") for td in summary.get("todos") or [] if not td.get("done"))
+    system = summary.get("system") or {}
+    if system.get("status"):
+        parts.append(str(system["status"]))
+    if system.get("text"):
+        parts.append(str(system["text"]))
+    return "\n".join(p for p in parts if p)
+
+
+def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def task_not_forgotten() -> Any:
+    """SQL: the `tasks_view` row is covered by no task purge or prefix forget."""
+    tv, ts = t.tasks_view.c, t.tombstones.c
+    return ~exists().where(ts.tenant == tv.tenant, or_(
+        and_(ts.kind == "task", ts.task_key == tv.task_key),
+        and_(ts.kind == "prefix",
+             func.substr(tv.ns_path, 1, func.length(ts.ns_path)) == ts.ns_path)))
+
+
+class VectorProjection:
+    """Keeps `vectors` equal to {active memories} + {open tasks}, embedded."""
+
+    name = "vectors"
+    tables = (t.vectors,)
+
+    def __init__(self, embedder: Embedder | None = None) -> None:
+        self._fixed = embedder
+
+    @property
+    def embedder(self) -> Embedder:
+        """The embedder of this projection (fixed at construction, else the env's)."""
+        return self._fixed or current_embedder()
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        """Recompute the entries of every memory slot and task the batch touches."""
+        start, end = batch[0].position, batch[-1].position
+        pending = await _get_pending(conn)
+        events: list[StoredEvent] = list(batch)
+        if pending is not None and pending < start - 1:
+            # Items an earlier batch indexed from lagging views: settle them now.
+            after = pending
+            while after < start - 1:
+                more = await store.read_events(conn, after, 2000, upto=start - 1)
+                if not more:
+                    break
+                events.extend(more)
+                after = more[-1].position
+        await self._sync(store, conn, events, end)
+        lag = await _source_views_position(conn)
+        await _set_pending(conn, lag if lag is not None and lag < end else None)
+
+    async def _sync(self, store: Store, conn: AsyncConnection,
+                    events: Sequence[StoredEvent], upto: int) -> None:
+        mem_ids: set[tuple[str, str]] = set()
+        slots: set[str] = set()
+        tasks: set[tuple[str, str]] = set()
+        forget_positions: set[int] = set()
+        for se in events:
+            if se.type in MEMORY_WRITES and se.slot:
+                slots.add(se.slot)
+            if se.memory_id and (se.type in MEMORY_WRITES or se.type in _MARKS
+                                 or se.type == "memory.forgotten"):
+                mem_ids.add((se.tenant, se.memory_id))
+            if se.event is not None and (se.type in MEMORY_WRITES or se.type in _MARKS):
+                for ref in ("supersedes", "superseded_by"):
+                    other = se.event.data.get(ref)
+                    if other:
+                        mem_ids.add((se.tenant, str(other)))
+            if se.type in TASK_TYPES and se.task_key:
+                tasks.add((se.tenant, se.task_key))
+            if se.type in _FORGETS:
+                forget_positions.add(se.position)
+        tombs: list[Tombstone] = []
+        if forget_positions:
+            tombs = [ts for ts in await store.tombstones(
+                conn, {se.tenant for se in events if se.position in forget_positions},
+                upto=upto) if ts.position in forget_positions]
+        await self._sync_memories(conn, mem_ids, slots, tombs)
+        await self._sync_tasks(conn, tasks, tombs)
+
+    async def _sync_memories(self, conn: AsyncConnection, mem_ids: set[tuple[str, str]],
+                             slots: set[str], tombs: Sequence[Tombstone]) -> None:
+        mv, vc = t.mem_versions.c, t.vectors.c
+        for ts in tombs:
+            # Drop every entry the forget covers, stale ones included; what the slot
+            # still holds (a write said again after the forget) is re-added below.
+            slots.update(await _covered_slots(conn, ts))
+            await conn.execute(delete(t.vectors).where(vc.tenant == ts.tenant,
+                                                       _covered_entries(ts)))
+        for chunk in _chunks(sorted(mem_ids)):
+            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+            slots.update(r[0] for r in (await conn.execute(q)).all())
+        # A confirmed candidate's `supersedes` reaches into another slot: one more hop.
+        hop: set[tuple[str, str]] = set()
+        for chunk in _chunks(sorted(slots)):
+            q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
+            for r in (await conn.execute(q)).all():
+                hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
+        for chunk in _chunks(sorted(hop - mem_ids)):
+            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+            slots.update(r[0] for r in (await conn.execute(q)).all())
+        if not slots:
+            return
+        every: list[tuple[str, str]] = []
+        wanted: list[Any] = []
+        for chunk in _chunks(sorted(slots)):
+            q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+            every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
+            q2 = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
+                        mv.session_id, mv.value, mv.text).where(
+                mv.slot.in_(chunk), mv.status == "active", not_forgotten())
+            wanted.extend((await conn.execute(q2)).all())
+        # Also whatever the index holds for the touched ids (stale rows from any source).
+        every.extend(mem_ids)
+        for chunk in _chunks(sorted(set(every))):
+            await conn.execute(delete(t.vectors).where(
+                tuple_(vc.tenant, vc.item_id).in_(chunk), vc.kind == "memory"))
+        if not wanted:
+            return
+        emb = self.embedder
+        matrix = emb.embed([memory_text(r.mkey, r.value, r.text) for r in wanted])
+        await conn.execute(t.vectors.insert(), [
+            {"tenant": r.tenant, "item_id": r.memory_id, "kind": "memory",
+             "ns_path": r.ns_path, "layer": r.layer, "task_key": r.task_key,
+             "session_id": r.session_id, "model": emb.name, "dim": emb.dim,
+             "vector": to_blob(matrix[i])} for i, r in enumerate(wanted)])
+
+    async def _sync_tasks(self, conn: AsyncConnection, tasks: set[tuple[str, str]],
+                          tombs: Sequence[Tombstone]) -> None:
+        tv, vc = t.tasks_view.c, t.vectors.c
+        for ts in tombs:
+            if ts.kind == "prefix":
+                q = select(tv.tenant, tv.task_key).where(
+                    tv.tenant == ts.tenant, prefix_match(tv.ns_path, ts.ns_path or ""))
+                tasks.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+            elif ts.kind == "task" and ts.task_key:
+                tasks.add((ts.tenant, ts.task_key))
+        if not tasks:
+            return
+        keys = sorted(tasks)
+        wanted: list[Any] = []
+        for chunk in _chunks(keys):
+            await conn.execute(delete(t.vectors).where(
+                tuple_(vc.tenant, vc.item_id).in_([(k[0], TASK_PREFIX + k[1]) for k in chunk]),
+                vc.kind == "task"))
+            q = select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
+                tuple_(tv.tenant, tv.task_key).in_(chunk), tv.status == "open",
+                tv.purged.is_(False), tv.ns_path.is_not(None), task_not_forgotten())
+            wanted.extend((await conn.execute(q)).all())
+        if not wanted:
+            return
+        emb = self.embedder
+        matrix = emb.embed([task_text(r.task_key, orjson.loads(r.summary)) for r in wanted])
+        await conn.execute(t.vectors.insert(), [
+            {"tenant": r.tenant, "item_id": TASK_PREFIX + r.task_key, "kind": "task",
+             "ns_path": r.ns_path, "layer": "task", "task_key": r.task_key,
+             "session_id": None, "model": emb.name, "dim": emb.dim,
+             "vector": to_blob(matrix[i])} for i, r in enumerate(wanted)])
+
+
+def _covered_entries(ts: Tombstone) -> Any:
+    """SQL over `vectors`: entries a tombstone certainly covers (without the slot)."""
+    vc = t.vectors.c
+    if ts.kind == "memory_id":
+        return and_(vc.kind == "memory", vc.item_id == ts.memory_id)
+    if ts.kind == "prefix":
+        return prefix_match(vc.ns_path, ts.ns_path or "\x00")
+    if ts.kind == "task":
+        return or_(and_(vc.kind == "memory", vc.layer == "task", vc.task_key == ts.task_key),
+                   and_(vc.kind == "task", vc.item_id == TASK_PREFIX + (ts.task_key or "")))
+    # A key forget reaches its slots through mem_versions (the index has no key column).
+    return and_(vc.kind == "memory", vc.ns_path == ts.ns_path, vc.item_id.in_(
+        select(t.mem_versions.c.memory_id).where(
+            t.mem_versions.c.tenant == ts.tenant, t.mem_versions.c.ns_path == ts.ns_path,
+            t.mem_versions.c.mkey == ts.mkey)))
+
+
+async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
+    mv = t.mem_versions.c
+    q = select(mv.slot).where(mv.tenant == ts.tenant)
+    if ts.kind == "memory_id":
+        q = q.where(mv.memory_id == ts.memory_id)
+    elif ts.kind == "key":
+        q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
+    elif ts.kind == "prefix":
+        q = q.where(prefix_match(mv.ns_path, ts.ns_path or "\x00"))
+    else:
+        q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
+    return {r[0] for r in (await conn.execute(q.distinct())).all()}
+
+
+async def _source_views_position(conn: AsyncConnection) -> int | None:
+    """How far every view the index reads from has got (None: none has a checkpoint)."""
+    cp = t.checkpoints.c
+    rows = (await conn.execute(select(cp.position).where(cp.name.in_(SOURCE_VIEWS)))).all()
+    return min(int(r[0]) for r in rows) if rows else None
+
+
+async def _get_pending(conn: AsyncConnection) -> int | None:
+    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == PENDING_META))
+           ).first()
+    return int(row[0]) if row is not None else None
+
+
+async def _set_pending(conn: AsyncConnection, position: int | None) -> None:
+    await conn.execute(delete(t.meta).where(t.meta.c.name == PENDING_META))
+    if position is not None:
+        await conn.execute(t.meta.insert().values(name=PENDING_META, value=str(position)))
