@@ -78,7 +78,7 @@ tombstones = Table(
     Column("position", BigInteger, primary_key=True, autoincrement=False),
     Column("tenant", String(128), nullable=False),
     # memory_id | key | prefix | task
-    Column("kind", String(8), nullable=False),
+    Column("kind", String(16), nullable=False),
     Column("memory_id", String(256), nullable=True),
     Column("ns_path", Text, nullable=True),
     Column("mkey", String(256), nullable=True),
