@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import os
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 
 from bench.common import OUT_DIR, QUICK_ENV, format_table, machine
+from ledger.logs import configure
 
 ORDER = ("append", "projection", "get", "rebuild", "recall", "workers")
 
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         os.environ[QUICK_ENV] = "1"
+    # As the CLI and workers run: warnings only (a debug line per event costs real time).
+    configure()
     names = [n for n in ORDER if not args.only or n in args.only]
     everything: list[dict[str, Any]] = []
     modules: dict[str, Any] = {}
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             continue
         seconds = time.perf_counter() - started
+        gc.unfreeze()
+        gc.collect()
         for r in results:
             r.setdefault("module", name)
         everything.extend(results)

@@ -1,0 +1,133 @@
+"""Append throughput on SQLite: batched appends and 64-way concurrent single appends.
+
+Each figure is printed beside raw `sqlite3` (WAL, synchronous=NORMAL) inserting the
+very same rows (read back from the ledger after the run) into a table with the same
+columns, keys and indexes as `events`, in the same run:
+
+- batched: `Store.append` with 1,000 events per call vs `executemany` of 1,000 rows per
+  transaction (target >= 0.5x);
+- concurrent: 64 asyncio tasks each calling `Store.append_one` in a loop (group commit)
+  vs raw sqlite3 committing one row per transaction (target >= 5,000 events/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    Clock,
+    create_like,
+    main,
+    mixed_events,
+    no_gc,
+    raw_connect,
+    result,
+    say,
+    size,
+    sqlite_url,
+    workdir,
+)
+from ledger import schema as t
+from ledger.events import Event
+from ledger.store import Store
+
+BATCH = 1000
+TASKS = 64
+COLUMNS = [c.name for c in t.events.columns]
+INSERT = (f"INSERT INTO events ({', '.join(COLUMNS)}) "
+          f"VALUES ({', '.join('?' for _ in COLUMNS)})")
+
+
+def stored_rows(db: Path) -> list[tuple[Any, ...]]:
+    """Every row the ledger wrote, in position order, as insertable tuples."""
+    with contextlib.closing(sqlite3.connect(str(db))) as conn:
+        return conn.execute(f"SELECT {', '.join(COLUMNS)} FROM events "
+                            "ORDER BY position").fetchall()
+
+
+def raw_batched(path: Path, rows: Sequence[tuple[Any, ...]], batch: int) -> float:
+    """Seconds for raw sqlite3 to insert `rows`, `batch` rows per transaction."""
+    with contextlib.closing(raw_connect(path)) as conn:
+        create_like(conn, t.events)
+        with Clock() as c:
+            for i in range(0, len(rows), batch):
+                conn.execute("BEGIN")
+                conn.executemany(INSERT, rows[i:i + batch])
+                conn.execute("COMMIT")
+    return c.seconds
+
+
+async def ledger_batched(path: Path, events: Sequence[Event]) -> float:
+    """Seconds for `Store.append` to take `events`, `BATCH` per call."""
+    store = Store(sqlite_url(path))
+    await store.open()
+    try:
+        with Clock() as c:
+            for i in range(0, len(events), BATCH):
+                res = await store.append(events[i:i + BATCH])
+                assert res[-1].status == "appended"
+    finally:
+        await store.close()
+    return c.seconds
+
+
+async def ledger_concurrent(path: Path, events: Sequence[Event]) -> float:
+    """Seconds for `TASKS` tasks, each appending its share one event per call."""
+    store = Store(sqlite_url(path))
+    await store.open()
+    shares = [events[k::TASKS] for k in range(TASKS)]
+
+    async def worker(mine: Sequence[Event]) -> None:
+        for ev in mine:
+            await store.append_one(ev)
+
+    try:
+        with Clock() as c:
+            await asyncio.gather(*(worker(s) for s in shares))
+    finally:
+        await store.close()
+    return c.seconds
+
+
+async def run() -> list[dict[str, Any]]:
+    """Batched and concurrent append, each beside raw sqlite3 on the same rows."""
+    n_batched = size(100_000, 10_000)
+    n_single = size(TASKS * 300, TASKS * 40)
+    say(f"building {n_batched + n_single:,} events")
+    with no_gc():
+        batched_events = mixed_events(n_batched, seed=1)
+        single_events = mixed_events(n_single, seed=2)
+    out: list[dict[str, Any]] = []
+    with workdir("append") as d:
+        say(f"Store.append: {n_batched:,} events, {BATCH} per call")
+        secs = await ledger_batched(d / "batched.db", batched_events)
+        rows = stored_rows(d / "batched.db")
+        assert len(rows) == n_batched
+        raw = raw_batched(d / "raw-batched.db", rows, BATCH)
+        out.append(result(
+            f"append batched ({BATCH}/call, {n_batched // 1000}k events)",
+            n_batched / secs, "events/s", len(rows) / raw, "rows/s",
+            "raw: sqlite3 executemany, same rows and indexes, 1,000/commit; target >= 0.5x"))
+
+        say(f"append_one: {TASKS} tasks, {n_single:,} events")
+        secs = await ledger_concurrent(d / "single.db", single_events)
+        rows = stored_rows(d / "single.db")
+        assert len(rows) == n_single
+        raw = raw_batched(d / "raw-single.db", rows, 1)
+        rate = n_single / secs
+        out.append(result(
+            f"append_one x{TASKS} concurrent ({n_single:,} events)",
+            rate, "events/s", len(rows) / raw, "rows/s",
+            f"raw: sqlite3 one row per commit; target >= 5,000 events/s: "
+            f"{'met' if rate >= 5000 else 'MISSED'}"))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(run))
