@@ -147,7 +147,8 @@ class PrincipalIndex:
     """
 
     position: int
-    pending: bool
+    #: Entries of writes after this position may be missing (vectors ran ahead of views).
+    pending: int | None
     model: str
     dim: int
     ids: list[str]
@@ -160,6 +161,7 @@ class PrincipalIndex:
     task_ids: list[str]
     task_matrix: NDArray[np.float32]
     id_set: frozenset[str] = field(default_factory=frozenset)
+    stamp: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -208,28 +210,34 @@ def _norm_key(text: str) -> str:
     return " ".join(re.findall(r"[^\W_]+", text.casefold()))
 
 
-async def _vectors_position(conn: AsyncConnection) -> tuple[int, bool]:
+async def _vectors_position(conn: AsyncConnection) -> tuple[int, float, int | None]:
+    """The `vectors` checkpoint (position, time of its last step) and where its unsettled
+    range starts, if it has one."""
     cp = t.checkpoints.c
-    pos = (await conn.execute(select(cp.position).where(cp.name == "vectors"))).scalar()
+    row = (await conn.execute(select(cp.position, cp.updated_at).where(
+        cp.name == "vectors"))).first()
     pending = (await conn.execute(select(t.meta.c.value).where(
         t.meta.c.name == PENDING_META))).scalar()
-    return int(pos or 0), pending is not None
+    return (int(row[0]) if row else 0, float(row[1] or 0.0) if row else 0.0,
+            int(pending) if pending is not None else None)
 
 
 async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
                           emb: Embedder) -> PrincipalIndex:
     """The principal's vectors at the current `vectors` checkpoint (cached)."""
-    position, pending = await _vectors_position(conn)
+    position, stamp, pending = await _vectors_position(conn)
     key = (store.url, who.tenant, who.user, emb.name)
     cached = CACHE.get(key)
-    if cached is not None and cached.position == position:
+    # The step time tells a rebuild that ended at the same position from no change.
+    if cached is not None and (cached.position, cached.stamp) == (position, stamp):
         return cached
-    if cached is not None and not pending and not cached.pending \
+    if cached is not None and pending is None and cached.pending is None \
             and cached.position < position <= cached.position + LAG_WINDOW \
             and not await _touched(conn, who, cached, position):
-        cached.position = position  # nothing of this principal changed in between
+        cached.position, cached.stamp = position, stamp  # nothing of this principal changed
         return cached
     idx = await _load_index(conn, store, who, emb, position, pending)
+    idx.stamp = stamp
     CACHE.put(key, idx)
     return idx
 
@@ -260,7 +268,7 @@ async def _touched(conn: AsyncConnection, who: reads.Principal, idx: PrincipalIn
 
 
 async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
-                      emb: Embedder, position: int, pending: bool) -> PrincipalIndex:
+                      emb: Embedder, position: int, pending: int | None) -> PrincipalIndex:
     vc, mv = t.vectors.c, t.mem_versions.c
     conds = [vc.tenant == who.tenant, reads.prefix_match(vc.ns_path, who.prefix)]
     if store.dialect == "sqlite":
@@ -369,7 +377,8 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     qvec = emb.embed([qtext])[0] if qtext else None
     async with store.read() as conn:
         idx = await principal_index(conn, store, who, emb)
-        lag = await _lagging_writes(conn, who, idx.position)
+        lag = await _lagging_writes(conn, who, idx.position if idx.pending is None
+                                    else min(idx.position, idx.pending))
         rows, cands = await _valid_candidates(conn, who, idx, qtext, qvec, lag, emb,
                                               task=task, session=session, limit=limit,
                                               now_us=now_us)

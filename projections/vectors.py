@@ -139,7 +139,7 @@ class VectorProjection:
                 after = more[-1].position
         await self._sync(store, conn, events, end)
         lag = await _source_views_position(conn)
-        await _set_pending(conn, lag if lag is not None and lag < end else None)
+        await _set_pending(conn, lag if lag < end else None)
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     events: Sequence[StoredEvent], upto: int) -> None:
@@ -281,11 +281,12 @@ async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
     return {r[0] for r in (await conn.execute(q.distinct())).all()}
 
 
-async def _source_views_position(conn: AsyncConnection) -> int | None:
-    """How far every view the index reads from has got (None: none has a checkpoint)."""
+async def _source_views_position(conn: AsyncConnection) -> int:
+    """How far every view the index reads from has got (one never run: 0)."""
     cp = t.checkpoints.c
-    rows = (await conn.execute(select(cp.position).where(cp.name.in_(SOURCE_VIEWS)))).all()
-    return min(int(r[0]) for r in rows) if rows else None
+    rows = {r[0]: r[1] for r in (await conn.execute(select(cp.name, cp.position).where(
+        cp.name.in_(SOURCE_VIEWS)))).all()}
+    return min(int(rows.get(name, 0)) for name in SOURCE_VIEWS)
 
 
 async def _get_pending(conn: AsyncConnection) -> int | None:
