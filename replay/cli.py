@@ -121,10 +121,26 @@ async def cmd_project(args: argparse.Namespace) -> int:
 
     store = open_store(args)
     try:
-        runner = Runner(store)
+        runner = Runner(store, batch_size=args.batch_size)
         applied = await runner.catch_up()
         out({"applied": applied, "positions": await runner.positions(),
              "head": await store.head()})
+    finally:
+        await store.close()
+    return 0
+
+
+@command("sweep")
+async def cmd_sweep(args: argparse.Namespace) -> int:
+    """Purge closed tasks past their retention, then project."""
+    from projections.retention import sweep_retention
+    from projections.runner import Runner
+
+    store = open_store(args)
+    try:
+        purged = await sweep_retention(store)
+        await Runner(store).catch_up()
+        out({"purged": [{"tenant": a, "task_key": b} for a, b in purged]})
     finally:
         await store.close()
     return 0
@@ -243,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("append", help="append events from a JSON Lines file or - (stdin)")
     a.add_argument("file")
-    sub.add_parser("project", help="run every projection in this process until caught up")
+    pj = sub.add_parser("project", help="run every projection in this process until caught up")
+    pj.add_argument("--batch-size", type=int, default=1000, help="events per transaction")
     sub.add_parser("status", help="head position, projection lag, broker health")
+    sub.add_parser("sweep", help="purge closed tasks past retain_until (R6, R28), then project")
 
     def principal(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--as", dest="as_", required=True, metavar="TENANT/USER",

@@ -76,6 +76,12 @@ async def test_erased_from_views_and_ledger_payloads(store: Store) -> None:
     assert vec == []
 
 
+def sqlite_files(url: str) -> bytes:
+    """The bytes of a SQLite ledger's files: database, WAL and shared memory."""
+    db = Path(url.split(":///", 1)[1])
+    return b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
+
+
 async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str) -> None:
     """The forgotten value's bytes are absent from the SQLite files on disk (R20)."""
     store = Store(sqlite_url, register_path=register_path)
@@ -90,10 +96,8 @@ async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str)
         await Runner(store).catch_up()
     finally:
         await store.close()
-    db = Path(sqlite_url.split(":///", 1)[1])
-    blobs = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
-    assert b"QUOKKA" not in blobs
-    assert b"QUOKKA" not in Path(register_path).read_bytes()
+    assert b"QUOKKA" not in sqlite_files(sqlite_url)
+    assert b"QUOKKA" not in Path(register_path).read_bytes()  # noqa: ASYNC240
 
 
 async def test_replays_and_late_extractions_do_not_resurrect(store: Store) -> None:

@@ -65,7 +65,7 @@ async def test_late_old_event_does_not_win(store: Store) -> None:
 
 
 async def test_candidate_never_active_until_confirmed(store: Store) -> None:
-    """A model's inference is a candidate: not active, never overrides, until confirmed (R10, R13)."""
+    """A model's inference is a candidate: inactive, never overriding, until confirmed (R10)."""
     await store.append_one(parse_event(write("reply_style", "brief", source=src(at=at(1)))))
     res = await store.append_one(parse_event(write(
         "reply_style", "urgent refunds always", source=src("model_inference", at=at(5)))))
