@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,9 +39,9 @@ async def test_sigkill_mid_batch_then_resume(sqlite_url: str, register_path: str
             source=src(at=f"2026-09-20T10:{(i // 60) % 60:02d}:{i % 60:02d}+08:00")))
             for i in range(b * 1000, (b + 1) * 1000)])
     env = {**os.environ, "MEMLEDGER_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("memledger")), "--db", sqlite_url,
-         "--forget-register", register_path, "project", "--batch-size", "200"], env=env)
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("memledger")), "--db", sqlite_url,
+        "--forget-register", register_path, "project", "--batch-size", "200", env=env)
     try:
         for _ in range(600):
             if 0 < await checkpoint(store) < n:
@@ -50,7 +49,7 @@ async def test_sigkill_mid_batch_then_resume(sqlite_url: str, register_path: str
             await asyncio.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
-        proc.wait(30)
+        await asyncio.wait_for(proc.wait(), 30)
     killed_at = await checkpoint(store)
     assert killed_at < n, "the runner finished before it could be killed"
     await Runner(store).catch_up()

@@ -86,7 +86,7 @@ def test_after_sales_story(cli: Cli) -> None:
     (t900,) = cli.json("tasks", "--as", "shop-a/u7")["tasks"]
     assert t900["system"]["status"] == "inspecting"
     assert t900["system"]["as_of"] == C18
-    assert [r["text"] for r in t900["reports"]][0] == "the left earbud of order A123 crackles"
+    assert t900["reports"][0]["text"] == "the left earbud of order A123 crackles"
     assert t900["corrections"][0]["text"] == "I said it wrong, it is the right earbud"
     assert t900["corrections"][0]["pending"] is True  # not confirmed by the system (R5)
     assert t900["conflicts"][0]["claimed"] == "fault confirmed"  # flagged, not merged (R30)
