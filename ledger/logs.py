@@ -38,3 +38,9 @@ def configure(level: str | None = None) -> None:
         logger_factory=logger_factory,
         cache_logger_on_first_use=True,
     )
+
+
+def configure_default() -> None:
+    """Quiet defaults for library use: an app that configured structlog keeps its setup."""
+    if not structlog.is_configured():
+        configure()

@@ -46,8 +46,10 @@ from ledger.events import (
     parse_rfc3339,
     to_us,
 )
+from ledger.logs import configure_default
 from ledger.register import ForgetRegister, default_register_path
 
+configure_default()
 log = structlog.get_logger("memledger.ledger")
 
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
