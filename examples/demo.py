@@ -1,0 +1,265 @@
+"""`make demo`: the after-sales story of the source documents, told as it happens.
+
+Runs on a fresh embedded SQLite ledger in a temporary folder (no server). Each step
+prints one line saying what happened and what was checked; any failed check stops the
+demo with exit 1. `--workers` tells the same start through `publish` and a worker
+daemon (needs Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ledger.client import MemoryLedger
+from ledger.errors import ValidationError
+
+C17 = "2026-09-20T10:00:00+08:00"
+C18 = "2026-09-22T09:00:00+08:00"
+U7 = "shop-a/u7"
+PREFS = ["shop-a", "u7", "preferences"]
+_step = 0
+
+
+def step(msg: str) -> None:
+    global _step
+    _step += 1
+    print(f"{_step:>2}. {msg}", flush=True)
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        print(f"    FAILED: {what}", flush=True)
+        raise SystemExit(1)
+    print(f"    ok: {what}", flush=True)
+
+
+def ev(etype: str, idem: str, data: dict[str, Any], *, kind: str = "explicit_user_request",
+       sid: str = "C17", at: str = C17, seq: int = 0, actor: str = "u7") -> dict[str, Any]:
+    return {"type": etype, "idempotency_key": idem, "tenant": "shop-a", "actor": actor,
+            "source": {"kind": kind, "id": sid, "at": at, "seq": seq}, "data": data}
+
+
+def aftersales(idem: str, data: dict[str, Any], at: str, etype: str = "task.noted"
+               ) -> dict[str, Any]:
+    return ev(etype, idem, data, kind="system_of_record", sid="aftersales", at=at,
+              actor="aftersales")
+
+
+def query_aftersales(ticket: str, day: str) -> str:
+    """Stands in for the system of record: T900's status as it would answer on that day."""
+    return "awaiting inspection" if day < "2026-09-21" else "inspecting"
+
+
+class Cli:
+    def __init__(self, db: str, register: str) -> None:
+        self.base = [str(Path(sys.executable).with_name("memledger")), "--db", db,
+                     "--forget-register", register]
+
+    def __call__(self, *args: str) -> tuple[int, Any]:
+        proc = subprocess.run([*self.base, *args], capture_output=True, timeout=300,
+                              env={**os.environ, "MEMLEDGER_LOG_LEVEL": "ERROR"})
+        lines = [x for x in proc.stdout.splitlines() if x.strip()]
+        return proc.returncode, orjson.loads(lines[-1]) if lines else None
+
+
+async def story(folder: Path, workers: bool) -> None:
+    db_path = folder / "memledger.db"
+    db = f"sqlite+aiosqlite:///{db_path}"
+    register = str(folder / "memledger.db.forgets")
+    cli = Cli(db, register)
+    print(f"ledger: {db_path} (forget register beside it)\n")
+
+    async with MemoryLedger(db, register_path=register) as ml:
+        step("C17, 2026-09-20: u7 reports the left earbud of order A123; the after-sales "
+             "system opens T900")
+        c17 = [
+            aftersales("as-1", {"task_key": "T900", "namespace": ["shop-a", "u7", "tickets"],
+                                "refs": {"order": "A123"}, "title": "earbud inspection"},
+                       C17, "task.opened"),
+            ev("task.noted", "C17-1", {"task_key": "T900", "kind": "user_report",
+                                       "text": "the left earbud of order A123 crackles"},
+               kind="user_statement", seq=1),
+            aftersales("as-2", {"task_key": "T900", "kind": "system_status",
+                                "text": query_aftersales("T900", "2026-09-20"),
+                                "fields": {"status": query_aftersales("T900", "2026-09-20")}},
+                       C17),
+        ]
+        if workers:
+            await via_workers(cli, c17, ml)
+        else:
+            await ml.append(c17)
+        res = await ml.remember(ev("memory.written", "C17-2", {
+            "namespace": PREFS, "key": "reply_language", "value": "Simplified Chinese",
+            "memory_id": "L1"}, seq=2))
+        check(res.status == "appended", "the reply-language preference is durable and "
+              "projected before the app says 'saved' (R16)")
+
+        step("C18, 2026-09-22, a new conversation: 'how is that ticket going?'")
+        tasks = await ml.tasks(U7)
+        check([t["task_key"] for t in tasks] == ["T900"],
+              "T900 found as u7's one open task, not guessed (R4)")
+        fresh = query_aftersales("T900", "2026-09-22")
+        await ml.remember(aftersales("as-3", {"task_key": "T900", "kind": "system_status",
+                                              "text": fresh, "fields": {"status": fresh}}, C18))
+        (t900,) = await ml.tasks(U7)
+        check(t900["system"]["status"] == "inspecting" and t900["system"]["as_of"] == C18,
+              f"status re-queried from the system of record: {t900['system']['status']!r} "
+              f"as of {t900['system']['as_of']} (R29)")
+        lang = await ml.get(U7, PREFS, "reply_language")
+        check(lang["value"] == "Simplified Chinese", "the answer uses the stored reply "
+              "language, Simplified Chinese")
+
+        step("u7: 'I said it wrong, it is the right earbud'; a model summarises "
+             "'inspection confirmed the fault'")
+        await ml.append([
+            ev("task.noted", "C18-1", {"task_key": "T900", "kind": "correction",
+                                       "text": "it is the right earbud",
+                                       "fields": {"side": "right"}}, sid="C18", at=C18,
+               seq=1),
+            ev("task.noted", "C18-2", {"task_key": "T900", "kind": "user_report",
+                                       "text": "inspection confirmed the fault",
+                                       "fields": {"status": "fault confirmed"}},
+               kind="model_inference", sid="C18", at=C18, seq=2)])
+        try:
+            await ml.append([ev("task.noted", "C18-3", {
+                "task_key": "T900", "kind": "system_status", "text": "fault confirmed"},
+                kind="model_inference", sid="C18", at=C18, seq=3)])
+            stopped = False
+        except ValidationError:
+            stopped = True
+        await ml.project()
+        (t900,) = await ml.tasks(U7)
+        check(stopped, "a model cannot write a system fact: rejected (R3)")
+        check(t900["corrections"][0]["pending"] is True,
+              "the correction is kept as the user's, pending the system's confirmation (R5)")
+        check(t900["conflicts"][0]["claimed"] == "fault confirmed",
+              "the wrong summary is flagged as a conflict, never merged (R30)")
+
+        step("u7: 'from now on answer me in English'")
+        await ml.remember(ev("memory.corrected", "C18-4", {
+            "namespace": PREFS, "key": "reply_language", "value": "English",
+            "supersedes": "L1"}, sid="C18", at=C18, seq=4))
+        lang = await ml.get(U7, PREFS, "reply_language")
+        check((lang["value"], lang["version"]) == ("English", 2),
+              "English is version 2; Simplified Chinese is superseded, never returned (R12)")
+
+        step("user-417: Java (M18), then 'from now on Python' (M31); 'use Java this time'")
+        ns417 = ["shop-a", "user-417", "preferences"]
+        await ml.append([
+            ev("memory.written", "U18", {"namespace": ns417, "key": "code_language",
+                                         "value": "Java", "memory_id": "M18"},
+               actor="user-417", sid="C3", at="2026-06-01T10:00:00+08:00"),
+            ev("memory.corrected", "U31", {"namespace": ns417, "key": "code_language",
+                                           "value": "Python", "memory_id": "M31",
+                                           "supersedes": "M18"},
+               actor="user-417", sid="C9", at="2026-08-01T10:00:00+08:00"),
+            ev("memory.written", "U40", {"namespace": ns417, "key": "code_language",
+                                         "value": "Java", "layer": "task", "task_key": "Q42"},
+               actor="user-417", sid="C12", at="2026-09-01T10:00:00+08:00")])
+        await ml.project()
+        default = await ml.get("shop-a/user-417", ns417, "code_language")
+        this_time = await ml.get("shop-a/user-417", ns417, "code_language", task="Q42")
+        check((default["memory_id"], default["value"], default["version"]) ==
+              ("M31", "Python", 2), "the long-term default is M31 Python, version 2")
+        check(this_time["value"] == "Java", "'Java this time' holds inside task Q42 only "
+              "(R8, R27)")
+
+        step("another account asks about T900 and u7's preferences")
+        other = await ml.recall("shop-a/u8", query="T900 earbud reply language")
+        check(other["items"] == [] and other["tasks"] == [] and
+              (await ml.get("shop-a/u8", PREFS, "reply_language")) == {"found": False},
+              "shop-a/u8 reads nothing, even where similarity would match (R24)")
+
+    step("operator: backup while the system runs")
+    backup = folder / "before-forget.backup"
+    rc, out = cli("backup", str(backup))
+    check(rc == 0, f"backup written at position {out.get('position') if out else '?'}")
+
+    async with MemoryLedger(db, register_path=register) as ml:
+        step("u7: 'forget my reply language'")
+        await ml.append([ev("memory.forgotten", "C18-9", {
+            "namespace": PREFS, "key": "reply_language"}, sid="C18", at=C18, seq=9)])
+        gone = await ml.get(U7, PREFS, "reply_language")
+        check(gone == {"found": False}, "unreadable the moment the append returned, before "
+              "any projection ran (R20)")
+        await ml.project()
+
+    step("operator: restore the backup taken before the forget")
+    rc, out = cli("restore", str(backup), "--force")
+    check(rc == 0, f"restored; forgets reapplied from the register: "
+          f"{out.get('reapplied') if out else '?'}")
+    async with MemoryLedger(db, register_path=register) as ml:
+        lang = await ml.get(U7, PREFS, "reply_language")
+        recalled = await ml.recall(U7, query="reply language")
+        check(lang == {"found": False} and all(
+            i["key"] != "reply_language" for i in recalled["items"]),
+            "nothing forgotten came back (R21)")
+    await asyncio.sleep(0)
+    data = b"".join(p.read_bytes() for p in folder.glob("memledger.db*")
+                    if not p.name.endswith(".forgets"))
+    check(b"Simplified Chinese" not in data and b"English" not in data,
+          "the forgotten values' bytes are in none of the database files")
+
+    step("operator: verify the ledger and every view")
+    rc, out = cli("replay", "verify")
+    check(rc == 0 and out.get("ok") is True, "hash chain, digests and views all check out")
+    rc, out = cli("replay", "verify", "--forgotten")
+    check(rc == 0, "every forgotten item is erased from every copy")
+
+    step("u7 closes the ticket; a closed task is not open")
+    async with MemoryLedger(db, register_path=register) as ml:
+        await ml.remember(aftersales("as-9", {"task_key": "T900", "resolution": "replaced"},
+                                     "2026-09-30T10:00:00+08:00", "task.closed"))
+        check(await ml.tasks(U7) == [], "T900 is no longer recalled as open (R6)")
+    print("\nall steps passed")
+
+
+async def via_workers(cli: Cli, events: list[dict[str, Any]], ml: MemoryLedger) -> None:
+    """Publish events and let a worker daemon ingest and project them."""
+    base = cli.base
+    data = b"\n".join(orjson.dumps(e) for e in events) + b"\n"
+    worker = subprocess.Popen([*base, "worker", "--processes", "1", "--threads", "2"],
+                              env={**os.environ, "MEMLEDGER_LOG_LEVEL": "ERROR"})
+    try:
+        proc = subprocess.run([*base, "publish", "-"], input=data, capture_output=True,
+                              timeout=60)
+        check(proc.returncode == 0, f"{len(events)} events published to the broker")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if [t["task_key"] for t in await ml.tasks(U7)] == ["T900"]:
+                break
+            await asyncio.sleep(0.2)
+        check(bool(await ml.tasks(U7)), "the worker daemon ingested and projected them")
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", action="store_true", help="publish through a worker daemon")
+    p.add_argument("--keep", action="store_true", help="keep the demo folder")
+    args = p.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="memledger-demo-"))
+    try:
+        asyncio.run(story(folder, args.workers))
+    finally:
+        if args.keep:
+            print(f"(kept {folder})")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
