@@ -1,0 +1,120 @@
+"""What one worker process runs against: its settings, store, projector and wake-ups.
+
+Everything here lives on the process's single asyncio loop (dramatiq's event loop
+thread), which every actor call and the sweep share, so concurrent ingest messages
+meet in the store's group commit and wake-ups coalesce in one projector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ledger.errors import MemledgerError
+from ledger.store import Store
+from workers.broker import INGEST_QUEUE, PROJECT_QUEUE, QUEUES, LedgerBroker, safe_url
+from workers.projector import Projector, sweep_forever
+from workers.publish import ingest_message
+from workers.wake import WakeSender, broker_sender
+
+log = structlog.get_logger("memledger.workers")
+
+DEFAULT_SWEEP_S = 2.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a worker daemon runs (from the command line and the environment)."""
+
+    redis_url: str
+    db_url: str | None = None
+    register_path: str | None = None
+    queues: tuple[str, ...] = QUEUES
+    processes: int = 1
+    threads: int = 16
+    sweep_interval: float = DEFAULT_SWEEP_S
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.queues) - set(QUEUES))
+        if unknown:
+            raise ValueError(f"unknown queue {unknown[0]!r}; queues are {', '.join(QUEUES)}")
+        if not self.queues:
+            raise ValueError("no queue to consume")
+        if self.processes < 1 or self.threads < 1:
+            raise ValueError("--processes and --threads must be at least 1")
+        if self.sweep_interval <= 0:
+            raise ValueError("--sweep-interval must be positive")
+
+    @property
+    def projects(self) -> bool:
+        """Does this daemon run projections (consume the project queue, sweep)?"""
+        return PROJECT_QUEUE in self.queues
+
+    @property
+    def ingests(self) -> bool:
+        """Does this daemon consume the ingest queue?"""
+        return INGEST_QUEUE in self.queues
+
+
+class Runtime:
+    """The store, projector, wake-ups and sweep of one worker process."""
+
+    def __init__(self, settings: Settings, broker: LedgerBroker, *, sweep: bool) -> None:
+        self.settings = settings
+        self.broker = broker
+        self.store = Store(settings.db_url, register_path=settings.register_path)
+        self.projector = Projector(self.store) if settings.projects else None
+        self.wakes = WakeSender(broker_sender(broker), label=safe_url(broker.url))
+        self.store.on_commit(self._committed)
+        self.sweeps = sweep and self.projector is not None
+        self.last_sweep: float | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Open the store (tolerating an unreachable database) and start the sweep."""
+        try:
+            await self.store.open()
+        except MemledgerError as e:
+            log.warning("store_unavailable_at_start", error=str(e)[:300],
+                        note="will retry on every message and sweep")
+        if self.sweeps:
+            assert self.projector is not None
+            self._sweep_task = asyncio.get_running_loop().create_task(
+                sweep_forever(self.projector, self.settings.sweep_interval, self._swept))
+
+    def _swept(self, at: float) -> None:
+        self.last_sweep = at
+
+    def _committed(self, head: int) -> None:
+        # Our own projector first (no broker round trip), then every other daemon.
+        if self.projector is not None:
+            self.projector.poke()
+        self.wakes.notify(head)
+
+    async def defer(self, events: list[Any], deferrals: int, delay_ms: int) -> None:
+        """Send events again after `delay_ms` (their referent may not be ingested yet)."""
+        await asyncio.to_thread(self.broker.enqueue,
+                                ingest_message(events, deferrals=deferrals), delay=delay_ms)
+
+    async def close(self) -> None:
+        """Stop the sweep and the projector, flush the last wake-up, close the store."""
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweep_task
+        if self.projector is not None:
+            await self.projector.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.wakes.close(), 5)
+        await self.store.close()
+
+
+def describe(settings: Settings, daemon_id: str) -> dict[str, Any]:
+    """The static part of a daemon process's status record."""
+    return {"id": daemon_id, "pid": os.getpid(), "queues": list(settings.queues),
+            "threads": settings.threads}
