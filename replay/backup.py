@@ -1,0 +1,394 @@
+"""`memledger backup` and `memledger restore`: one portable, checksummed file.
+
+Format (JSON Lines, gzip-compressed when the path ends in `.gz`):
+
+1. a header object: `{"format": "memledger-backup", "version": 1, "schema_version",
+   "source_backend", "position", "created_at", "tables": [{"name", "columns",
+   "binary", "count"}]}`;
+2. for each table in header order, a `{"table": name}` line, then one JSON array per
+   row, values in `columns` order, binary columns base64-encoded;
+3. a trailer `{"end": true, "rows": n, "sha256": hex}`, the SHA-256 of every byte
+   (uncompressed) before the trailer line.
+
+Only the ledger's own tables are saved (events, tombstones, task owners, dead letters,
+recall audit records); views are rebuilt from them on restore. The backup reads every
+table in one snapshot (REPEATABLE READ on PostgreSQL, one read transaction on SQLite),
+so it is consistent at one position while appends go on. A payload that a tombstone
+in the snapshot covers is written as erased, even if the erasure projection had not run
+yet: a backup never holds content a forget it contains covers.
+
+A restore reads the whole file twice: once to check it (checksum, structure, counts,
+positions, hash chain and digests) before the database is touched, then to load it in
+one transaction that re-checks the checksum before it commits. Then it reapplies the
+forget register (R21) and rebuilds every view.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import hashlib
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Final, cast
+
+import orjson
+from sqlalchemy import delete, func, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.errors import BackupError
+from ledger.events import digest
+from ledger.store import GENESIS, Store, chain_link, now_iso, tombstone_from_row
+from projections.runner import default_projections
+from replay.progress import Progress
+from replay.rebuild import rebuild, register_events
+from replay.rows import binary_columns, by_tenant, covering, row_dict, stream_rows
+
+FORMAT: Final = "memledger-backup"
+VERSION: Final = 1
+#: The ledger tables a backup holds, in the order it holds them.
+BACKUP_TABLES: Final = (t.events, t.tombstones, t.task_owners, t.dead_letters,
+                        t.recall_audit, t.recall_audit_items)
+_BY_NAME: Final = {tb.name: tb for tb in BACKUP_TABLES}
+GZIP_MAGIC: Final = b"\x1f\x8b"
+LOAD_BATCH: Final = 1000
+
+
+def _encode(row: dict[str, Any], columns: list[str], binary: set[str]) -> bytes:
+    vals = [base64.b64encode(row[c]).decode("ascii") if c in binary and row[c] is not None
+            else row[c] for c in columns]
+    return orjson.dumps(vals)
+
+
+class _HashingWriter:
+    """Writes lines to a file (gzip or plain) and hashes the uncompressed bytes."""
+
+    def __init__(self, path: Path, *, compress: bool) -> None:
+        self.raw = path.open("wb")
+        self.out: IO[bytes] = cast(BinaryIO, gzip.GzipFile(
+            fileobj=self.raw, mode="wb", compresslevel=6)) \
+            if compress else self.raw
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def line(self, data: bytes, *, hashed: bool = True) -> None:
+        data += b"\n"
+        if hashed:
+            self.sha.update(data)
+        self.bytes += len(data)
+        self.out.write(data)
+
+    def close(self) -> None:
+        if self.out is not self.raw:
+            self.out.close()
+        self.raw.flush()
+        os.fsync(self.raw.fileno())
+        self.raw.close()
+
+
+async def backup(store: Store, path: str | os.PathLike[str], *, progress: bool = True
+                 ) -> dict[str, Any]:
+    """Write a consistent backup of the ledger tables to `path` (atomically replaced)."""
+    await store.open()
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = _HashingWriter(partial, compress=target.name.endswith(".gz"))
+    erased = 0
+    try:
+        async with store.read() as conn:
+            if store.dialect == "postgresql":
+                await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+            counts = {str(tb.name): int((await conn.execute(
+                select(func.count()).select_from(tb))).scalar() or 0) for tb in BACKUP_TABLES}
+            position = int((await conn.execute(
+                select(func.max(t.events.c.position)))).scalar() or 0)
+            tombs = by_tenant(tombstone_from_row(r)
+                              for r in (await conn.execute(select(t.tombstones))).all())
+            header = {
+                "format": FORMAT, "version": VERSION, "schema_version": t.SCHEMA_VERSION,
+                "source_backend": store.dialect, "position": position,
+                "created_at": now_iso(),
+                "tables": [{"name": tb.name, "columns": [c.name for c in tb.columns],
+                            "binary": binary_columns(tb), "count": counts[str(tb.name)]}
+                           for tb in BACKUP_TABLES],
+            }
+            writer.line(orjson.dumps(header))
+            bar = Progress("backup", sum(counts.values()), unit="rows", enabled=progress)
+            for tb in BACKUP_TABLES:
+                columns = [c.name for c in tb.columns]
+                binary = set(binary_columns(tb))
+                writer.line(orjson.dumps({"table": tb.name}))
+                async for part in stream_rows(conn, tb, store.dialect, batch=2000):
+                    for r in part:
+                        row = row_dict(r)
+                        if tb is t.events and row["payload"] is not None and \
+                                covering(tombs, row) is not None:
+                            row["payload"], row["redacted"] = None, True
+                            erased += 1
+                        writer.line(_encode(row, columns, binary))
+                    bar.advance(len(part))
+            bar.finish()
+        total = sum(counts.values())
+        sha = writer.sha.hexdigest()
+        writer.line(orjson.dumps({"end": True, "rows": total, "sha256": sha}), hashed=False)
+        writer.close()
+    except BaseException:
+        writer.raw.close()
+        partial.unlink(missing_ok=True)
+        raise
+    size = _publish(partial, target)
+    return {"path": str(target), "position": position, "counts": counts,
+            "bytes": size, "sha256": sha, "format": FORMAT,
+            "version": VERSION, "erased_in_backup": erased}
+
+
+def _publish(partial: Path, target: Path) -> int:
+    """Move the finished file into place durably; returns its size in bytes."""
+    os.replace(partial, target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return target.stat().st_size
+
+
+# -- reading ------------------------------------------------------------------------------
+
+def _open_backup(path: Path) -> IO[bytes]:
+    try:
+        raw = path.open("rb")
+    except OSError as e:
+        raise BackupError(f"cannot read backup {path}: {e.strerror or e}") from e
+    magic = raw.read(2)
+    raw.seek(0)
+    if magic == GZIP_MAGIC:
+        return cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
+    return raw
+
+
+class BackupReader:
+    """Reads and checks a backup file; `rows()` yields decoded row batches per table.
+
+    Every problem raises `BackupError` naming the line: a truncated file, a flipped
+    byte (checksum, JSON, base64, chain or digest), a missing or extra row.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.header: dict[str, Any] = {}
+
+    def _fail(self, line: int, msg: str) -> BackupError:
+        return BackupError(f"backup {self.path} is unusable (line {line}): {msg}; "
+                           "nothing was changed")
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        f = _open_backup(self.path)
+        try:
+            yield from enumerate(f, start=1)
+        except (OSError, EOFError, zlib.error) as e:
+            raise self._fail(0, f"compressed data is damaged or cut short ({e})") from e
+        finally:
+            f.close()
+
+    def _check_header(self, obj: Any) -> dict[str, Any]:
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise self._fail(1, "not a memledger backup (no header)")
+        if obj.get("version") != VERSION:
+            raise self._fail(1, f"format version {obj.get('version')!r} is not supported "
+                                f"(this memledger reads version {VERSION})")
+        if not isinstance(obj.get("schema_version"), int) or \
+                obj["schema_version"] > t.SCHEMA_VERSION:
+            raise self._fail(1, "written by a newer memledger schema; upgrade memledger")
+        tables = obj.get("tables")
+        if not isinstance(tables, list) or [x.get("name") for x in tables if
+                                            isinstance(x, dict)] != list(_BY_NAME):
+            raise self._fail(1, "header does not list the ledger tables")
+        for spec in tables:
+            known = {c.name for c in _BY_NAME[spec["name"]].columns}
+            cols = spec.get("columns")
+            if not isinstance(cols, list) or not set(cols) <= known:
+                raise self._fail(1, f"table {spec['name']} has columns this memledger does "
+                                    "not know; upgrade memledger")
+            if not isinstance(spec.get("count"), int) or spec["count"] < 0:
+                raise self._fail(1, f"table {spec['name']} has no row count")
+        return obj
+
+    def rows(self) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
+        """Check the whole file while yielding (table, batch of row dicts)."""
+        sha = hashlib.sha256()
+        tables: list[dict[str, Any]] = []
+        current: dict[str, Any] | None = None
+        table: Any = None
+        names: list[str] = []
+        binary: set[str] = set()
+        seen = 0
+        total = 0
+        next_table = 0
+        batch: list[dict[str, Any]] = []
+        prev, expected = GENESIS, 1
+        trailer: dict[str, Any] | None = None
+        last_line = 0
+        for n, raw in self._lines():
+            last_line = n
+            if trailer is not None:
+                raise self._fail(n, "data after the trailer")
+            if not raw.endswith(b"\n"):
+                raise self._fail(n, "file is cut short (last line incomplete)")
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise self._fail(n, "damaged line (not JSON)") from e
+            if n == 1:
+                self.header = self._check_header(obj)
+                tables = self.header["tables"]
+                sha.update(raw)
+                continue
+            if isinstance(obj, dict) and obj.get("end") is True:
+                trailer = obj
+                continue
+            sha.update(raw)
+            if isinstance(obj, dict) and "table" in obj:
+                if current is not None and seen != current["count"]:
+                    raise self._fail(n, f"table {current['name']} has {seen} rows, header "
+                                        f"says {current['count']}")
+                if batch:
+                    yield table, batch
+                    batch = []
+                if next_table >= len(tables) or obj["table"] != tables[next_table]["name"]:
+                    raise self._fail(n, f"unexpected table section {obj['table']!r}")
+                current = tables[next_table]
+                next_table += 1
+                table = _BY_NAME[current["name"]]
+                names = current["columns"]
+                binary = set(current["binary"])
+                seen = 0
+                continue
+            if current is None or not isinstance(obj, list) or len(obj) != len(names):
+                raise self._fail(n, "row outside a table section or with the wrong width")
+            row: dict[str, Any] = {c.name: None for c in table.columns}
+            try:
+                for name, value in zip(names, obj, strict=True):
+                    row[name] = base64.b64decode(value, validate=True) \
+                        if name in binary and value is not None else value
+            except (binascii.Error, TypeError, ValueError) as e:
+                raise self._fail(n, "damaged binary value") from e
+            if table is t.events:
+                prev, expected = self._check_event(n, row, prev, expected)
+            seen += 1
+            total += 1
+            batch.append(row)
+            if len(batch) >= LOAD_BATCH:
+                yield table, batch
+                batch = []
+        if trailer is None:
+            raise self._fail(last_line, "file is truncated (no trailer)")
+        if current is not None and seen != current["count"]:
+            raise self._fail(last_line, f"table {current['name']} has {seen} rows, header "
+                                        f"says {current['count']}")
+        if next_table != len(tables):
+            raise self._fail(last_line, "file is truncated (tables missing)")
+        if trailer.get("sha256") != sha.hexdigest() or trailer.get("rows") != total:
+            raise self._fail(last_line, "checksum mismatch: the file was changed or damaged")
+        if expected - 1 != self.header.get("position"):
+            raise self._fail(last_line, "events do not reach the header's position")
+        if batch:
+            yield table, batch
+
+    def _check_event(self, n: int, row: dict[str, Any], prev: str, expected: int
+                     ) -> tuple[str, int]:
+        if row["position"] != expected:
+            raise self._fail(n, f"event position {row['position']} where {expected} was "
+                                "expected")
+        try:
+            link = chain_link(prev, row)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise self._fail(n, "damaged event envelope") from e
+        if link != row["chain"]:
+            raise self._fail(n, f"hash chain broken at position {expected}")
+        if row["payload"] is not None and digest(row["payload"]) != row["content_digest"]:
+            raise self._fail(n, f"payload of position {expected} does not match its digest")
+        return link, expected + 1
+
+    def check(self) -> dict[str, Any]:
+        """Read the whole file and check it; returns the header."""
+        for _ in self.rows():
+            pass
+        return self.header
+
+
+# -- restore ------------------------------------------------------------------------------
+
+async def _is_empty(conn: AsyncConnection) -> bool:
+    for tb in (*BACKUP_TABLES, *t.VIEW_TABLES):
+        if (await conn.execute(select(tb).limit(1))).first() is not None:
+            return False
+    return True
+
+
+async def _clear(conn: AsyncConnection) -> None:
+    for tb in (*t.VIEW_TABLES, *reversed(BACKUP_TABLES), t.checkpoints):
+        await conn.execute(delete(tb))
+    # Bookkeeping of the views just cleared (e.g. `vectors.pending_after`, rebuild
+    # markers); the schema version stays.
+    await conn.execute(delete(t.meta).where(t.meta.c.name != "schema_version"))
+
+
+async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = False,
+                  without_register: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Check a backup, load it, reapply the forget register and rebuild the views."""
+    reader = BackupReader(path)
+    header = reader.check()
+    await store.open()
+    if not store.register.exists() and not without_register:
+        raise BackupError(
+            f"forget register {store.register.path} not found: without it a restore can "
+            "bring back what was forgotten after the backup (R21). Point --forget-register "
+            "at it, or pass --without-register to restore without it")
+    register_events(store)  # a damaged register stops the restore before any change
+    total = sum(x["count"] for x in header["tables"])
+    bar = Progress("restore", total, unit="rows", enabled=progress)
+    async with store.write() as conn:
+        if store.dialect == "postgresql":
+            await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+        if not await _is_empty(conn) and not force:
+            raise BackupError(f"the database {_safe_url(store.url)} is not empty; "
+                              "restore into an empty one, or pass --force to replace "
+                              "its contents")
+        await _clear(conn)
+        # The reader re-checks the checksum at the end: a file changed since the
+        # check raises here, inside the transaction, which then rolls back.
+        for table, batch in reader.rows():
+            await conn.execute(table.insert(), batch)
+            bar.advance(len(batch))
+        # Projections count as caught up until the register is reapplied: a worker
+        # running meanwhile must not project restored content that a forget recorded
+        # after the backup covers. `rebuild` below resets them to 0 after the reapply.
+        await conn.execute(t.checkpoints.insert(), [
+            {"name": p.name, "position": header["position"]}
+            for p in default_projections()])
+        if store.dialect == "postgresql":
+            await conn.execute(text(
+                "SELECT setval(pg_get_serial_sequence('dead_letters', 'id'), "
+                "COALESCE(MAX(id), 1), MAX(id) IS NOT NULL) FROM dead_letters"))
+    bar.finish()
+    rebuilt = await rebuild(store, restart=True, progress=progress)
+    return {"restored": {"path": str(path), "position": header["position"],
+                         "source_backend": header["source_backend"],
+                         "created_at": header["created_at"],
+                         "counts": {x["name"]: x["count"] for x in header["tables"]}},
+            "reapplied": rebuilt["reapplied"], "head": rebuilt["head"],
+            "projections": rebuilt["projections"]}
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}@{host}"
+    return url

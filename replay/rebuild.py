@@ -1,0 +1,292 @@
+"""Rebuild views from the ledger, after reapplying the forget register (R21, R22).
+
+`reapply_register` is the one place where the register is turned back into ledger
+state: every forget or purge it holds whose idempotency key is missing from the ledger
+is appended (it keeps its original source order, so it covers exactly what it
+covered), missing tombstones are inserted, and every payload a tombstone covers is
+erased. `restore` and `rebuild` both call it before any view is rebuilt, so a read
+never sees content a recorded forget covers.
+
+`rebuild` then drops each projection's view rows and resets its checkpoint in one
+transaction, and runs the ordinary projection runner: batch by batch, each batch
+committed with its checkpoint, so memory stays flat whatever the ledger size and an
+interrupted rebuild resumes where it stopped (a `meta` row `rebuild:<name>` marks a
+rebuild in progress, so running the command again continues instead of starting over).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import structlog
+from sqlalchemy import delete, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.errors import IdempotencyConflict, RegisterError, ValidationError
+from ledger.events import Event, ns_path
+from ledger.store import (
+    GENESIS,
+    Store,
+    chain_link,
+    now_iso,
+    tombstone_from_row,
+    tombstone_of,
+    tombstone_row,
+)
+from ledger.validation import parse_event
+from projections.runner import Projection, Runner, erase_payloads
+from replay.progress import Progress
+
+log = structlog.get_logger("memledger.replay")
+
+#: `meta` rows marking a rebuild in progress: `rebuild:<projection name>`.
+MARKER_PREFIX: Final = "rebuild:"
+FORGET_TYPES: Final = ("memory.forgotten", "task.purged")
+
+
+# -- the forget register ------------------------------------------------------------------
+
+def register_events(store: Store) -> list[Event]:
+    """The register's forgets and purges as events, first occurrence of each key only.
+
+    Raises `RegisterError` if an entry is damaged or is not a valid forget or purge.
+    """
+    seen: set[tuple[str, str]] = set()
+    out: list[Event] = []
+    for n, entry in enumerate(store.register.entries(), start=1):
+        try:
+            ev = parse_event(entry["event"])
+        except (KeyError, TypeError, ValidationError) as e:
+            raise RegisterError(f"forget register {store.register.path} entry {n} is not a "
+                                f"valid event: {e}") from e
+        if ev.type not in FORGET_TYPES:
+            raise RegisterError(f"forget register {store.register.path} entry {n} is a "
+                                f"{ev.type!r}, not a forget or purge")
+        k = (ev.tenant, ev.idempotency_key)
+        if k not in seen:
+            seen.add(k)
+            out.append(ev)
+    return out
+
+
+async def _positions_of(conn: AsyncConnection, events: Sequence[Event]
+                        ) -> dict[tuple[str, str], tuple[int, str]]:
+    """(tenant, idempotency key) -> (position, type) for the keys already in the ledger."""
+    ev = t.events.c
+    by_tenant: dict[str, list[str]] = {}
+    for e in events:
+        by_tenant.setdefault(e.tenant, []).append(e.idempotency_key)
+    found: dict[tuple[str, str], tuple[int, str]] = {}
+    for tenant, keys in by_tenant.items():
+        for i in range(0, len(keys), 500):
+            # One tenant per query: SQLite uses the unique index for `a = ? AND b IN (..)`,
+            # but scans the table for a multi-row `(a, b) IN (VALUES ..)`.
+            q = select(ev.idempotency_key, ev.position, ev.type).where(
+                ev.tenant == tenant, ev.idempotency_key.in_(keys[i:i + 500]))
+            for r in (await conn.execute(q)).all():
+                found[(tenant, r[0])] = (int(r[1]), r[2])
+    return found
+
+
+async def _record_forget(store: Store, ev: Event) -> int:
+    """Record a register forget the append path refused because its target is absent.
+
+    The append path accepts a user's forget by `memory_id` only while that memory is in
+    the ledger. A forget in the register was accepted when it was first appended; after
+    a restore from an older backup its memory may not be there yet, and the forget must
+    still be recorded, or a late replay of that memory's write would bring it back.
+    """
+    d = ev.data
+    nsp = None
+    if "namespace" in d:
+        nsp = ns_path(d["namespace"])
+    elif "namespace_prefix" in d:
+        nsp = ns_path(d["namespace_prefix"])
+    e = t.events.c
+    async with store.write() as conn:
+        row0 = (await conn.execute(select(e.position).where(
+            e.tenant == ev.tenant, e.idempotency_key == ev.idempotency_key))).first()
+        if row0 is not None:
+            return int(row0[0])
+        last = (await conn.execute(select(e.position, e.chain)
+                                   .order_by(e.position.desc()).limit(1))).first()
+        position, prev = (int(last[0]) + 1, str(last[1])) if last else (1, GENESIS)
+        s = ev.source
+        row: dict[str, Any] = {c.name: None for c in t.events.columns}
+        row.update({
+            "position": position, "tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
+            "type": ev.type, "actor": ev.actor, "source_kind": s.kind, "source_id": s.id,
+            "source_at": s.at, "source_seq": s.seq, "source_event_id": s.event_id,
+            "order_key": ev.order, "memory_id": ev.memory_id, "ns_path": nsp,
+            "mkey": d.get("key"), "task_key": ev.task_key, "payload": ev.encode(),
+            "content_digest": ev.content_digest, "recorded_at": now_iso(),
+            "suppressed": False, "redacted": False,
+        })
+        row["chain"] = chain_link(prev, row)
+        await conn.execute(t.events.insert(), [row])
+        ts = tombstone_of(ev, position)
+        if ts is not None:
+            await conn.execute(t.tombstones.insert(), [tombstone_row(ts)])
+    return position
+
+
+async def reapply_register(store: Store) -> dict[str, Any]:
+    """Make the ledger hold every forget and purge of the register, and erase what they
+    cover; returns what was done (keys and positions, never content)."""
+    await store.open()
+    events = register_events(store)
+    async with store.read() as conn:
+        present = await _positions_of(conn, events)
+    appended: list[dict[str, Any]] = []
+    conflicts: list[dict[str, Any]] = []
+    for ev in events:
+        k = (ev.tenant, ev.idempotency_key)
+        if k in present:
+            if present[k][1] != ev.type:
+                conflicts.append({"tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
+                                  "position": present[k][0], "ledger_type": present[k][1]})
+            continue
+        how = "appended"
+        try:
+            position = (await store.append([ev]))[0].position
+        except IdempotencyConflict:
+            continue  # appended meanwhile by someone else: it is there now
+        except ValidationError as e:
+            log.info("register_forget_recorded_directly", tenant=ev.tenant, reason=e.field)
+            position = await _record_forget(store, ev)
+            how = "recorded"
+        present[k] = (position, ev.type)
+        appended.append({"tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
+                         "type": ev.type, "position": position, "how": how})
+    inserted = 0
+    erased = 0
+    async with store.view_write() as conn:
+        have = {int(r[0]) for r in (await conn.execute(select(t.tombstones.c.position))).all()}
+        for ev in events:
+            k = (ev.tenant, ev.idempotency_key)
+            pos, typ = present.get(k, (0, ""))
+            if pos and typ == ev.type and pos not in have:
+                ts = tombstone_of(ev, pos)
+                if ts is not None:
+                    await conn.execute(t.tombstones.insert(), [tombstone_row(ts)])
+                    have.add(pos)
+                    inserted += 1
+        for r in (await conn.execute(select(t.tombstones).order_by(t.tombstones.c.position))
+                  ).all():
+            erased += await erase_payloads(conn, tombstone_from_row(r))
+    if erased:
+        await store.sqlite_checkpoint()
+    return {"register": str(store.register.path), "register_exists": store.register.exists(),
+            "entries": len(events), "already_in_ledger": len(events) - len(appended),
+            "appended": appended, "tombstones_inserted": inserted, "payloads_erased": erased,
+            "conflicts": conflicts}
+
+
+# -- rebuild ------------------------------------------------------------------------------
+
+async def _lock_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:
+    """Create the checkpoint row if needed and lock it for this transaction."""
+    ins = pg_insert if store.dialect == "postgresql" else sqlite_insert
+    await conn.execute(ins(t.checkpoints).values(name=name, position=0)
+                       .on_conflict_do_nothing())
+    q = select(t.checkpoints.c.position).where(t.checkpoints.c.name == name)
+    if store.dialect == "postgresql":
+        q = q.with_for_update()
+    await conn.execute(q)
+
+
+async def reset_projection(store: Store, proj: Projection) -> None:
+    """Drop a projection's view rows and set its checkpoint to 0, in one transaction.
+
+    The checkpoint row is locked first, so a runner in another process finishes its
+    batch before the reset, and its next batch starts from position 0.
+    """
+    m = t.meta.c
+    async with store.view_write() as conn:
+        await _lock_checkpoint(conn, store, proj.name)
+        for table in proj.tables:
+            await conn.execute(delete(table))
+        # A projection's own bookkeeping rows are named `<name>.<what>` (for example
+        # `vectors.pending_after`): they describe the rows just dropped.
+        await conn.execute(delete(t.meta).where(m.name.startswith(f"{proj.name}.",
+                                                                   autoescape=True)))
+        await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
+                           .values(position=0, updated_at=time.time()))
+        await conn.execute(delete(t.meta).where(m.name == MARKER_PREFIX + proj.name))
+        await conn.execute(t.meta.insert().values(name=MARKER_PREFIX + proj.name,
+                                                  value=now_iso()))
+
+
+async def _clear_marker(store: Store, name: str) -> None:
+    async with store.view_write() as conn:
+        await conn.execute(delete(t.meta).where(t.meta.c.name == MARKER_PREFIX + name))
+
+
+async def in_progress(store: Store) -> set[str]:
+    """Names of projections whose rebuild was started and has not finished."""
+    m = t.meta.c
+    async with store.read() as conn:
+        rows = (await conn.execute(select(m.name).where(
+            m.name.startswith(MARKER_PREFIX, autoescape=True)))).all()
+    return {r[0][len(MARKER_PREFIX):] for r in rows}
+
+
+def select_projections(runner: Runner, names: Sequence[str] | None) -> list[Projection]:
+    """The runner's projections named in `names` (all when None), in run order."""
+    if not names:
+        return list(runner.projections)
+    known = {p.name for p in runner.projections}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValidationError("--projection", f"unknown projection {unknown[0]!r}; one of "
+                              f"{', '.join(sorted(known))}")
+    return [p for p in runner.projections if p.name in names]
+
+
+async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: bool = False,
+                  batch_size: int = 1000, progress: bool = True,
+                  runner: Runner | None = None) -> dict[str, Any]:
+    """Reapply the register, then drop and rebuild the named views (all by default).
+
+    A rebuild left unfinished (interrupted, killed) is resumed from its checkpoint
+    unless `restart` asks to drop the views again.
+    """
+    await store.open()
+    runner = runner or Runner(store, batch_size=batch_size)
+    projs = select_projections(runner, names)
+    reapplied = await reapply_register(store)
+    pending = await in_progress(store)
+    resumed: list[str] = []
+    for p in projs:
+        if p.name in pending and not restart:
+            resumed.append(p.name)
+        else:
+            await reset_projection(store, p)
+    head = await store.head()
+    positions = await runner.positions()
+    total = sum(max(0, head - positions[p.name]) for p in projs)
+    bar = Progress("rebuild", total, enabled=progress)
+    done: dict[str, Any] = {}
+    for p in projs:
+        started = time.monotonic()
+        start_at = positions[p.name]
+        n = 0
+        while True:
+            got = await runner.step(p, head)
+            if not got:
+                break
+            n += got
+            bar.advance(got)
+        seconds = time.monotonic() - started
+        await _clear_marker(store, p.name)
+        done[p.name] = {"from": start_at, "events": n, "seconds": round(seconds, 3),
+                        "events_per_s": round(n / seconds) if seconds > 0 else None}
+        log.info("projection_rebuilt", projection=p.name, events=n, head=head)
+    bar.finish()
+    await store.sqlite_checkpoint()
+    return {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}

@@ -1,0 +1,96 @@
+"""Row-level helpers shared by verify, backup and restore.
+
+Streaming reads in primary-key order (the same order on both backends), the values of
+rows in a comparable form, and which tombstone covers a stored event by its envelope
+alone (so coverage can be decided after the content is gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Final
+
+from sqlalchemy import LargeBinary, String, Table, Text, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger.events import MEMORY_WRITES
+from ledger.store import Tombstone
+
+#: Task events whose content a forget or purge erases (the purge itself keeps its own).
+TASK_CONTENT: Final = frozenset({"task.opened", "task.noted", "task.closed"})
+FORGETS: Final = frozenset({"memory.forgotten", "task.purged"})
+
+
+def order_columns(table: Table, dialect: str) -> list[Any]:
+    """The table's primary key as ORDER BY terms that sort alike on both backends.
+
+    PostgreSQL sorts text by the database collation; `COLLATE "C"` makes it bytewise,
+    which is how SQLite sorts (BINARY), so a merge of the two streams lines up.
+    """
+    cols = list(table.primary_key.columns) or list(table.columns)
+    out: list[Any] = []
+    for c in cols:
+        if dialect == "postgresql" and isinstance(c.type, String | Text):
+            out.append(c.collate("C"))
+        else:
+            out.append(c)
+    return out
+
+
+async def stream_rows(conn: AsyncConnection, table: Table, dialect: str, *,
+                      where: Any = None, batch: int = 1000
+                      ) -> AsyncIterator[Sequence[Any]]:
+    """Yield lists of rows of `table` in primary-key order, `batch` rows at a time."""
+    q = select(table)
+    if where is not None:
+        q = q.where(where)
+    result = await conn.stream(q.order_by(*order_columns(table, dialect)))
+    async for part in result.partitions(batch):
+        yield part
+
+
+def plain(value: Any) -> Any:
+    """A column value in comparable Python form (memoryview -> bytes)."""
+    if isinstance(value, memoryview | bytearray):
+        return bytes(value)
+    return value
+
+
+def row_dict(row: Any) -> dict[str, Any]:
+    """A SQLAlchemy row as a dict of plain values."""
+    return {str(k): plain(v) for k, v in row._mapping.items()}
+
+
+def binary_columns(table: Table) -> list[str]:
+    """Names of the table's binary columns (encoded as base64 in backups)."""
+    return [c.name for c in table.columns if isinstance(c.type, LargeBinary)]
+
+
+def by_tenant(tombs: Iterable[Tombstone]) -> dict[str, list[Tombstone]]:
+    """Tombstones grouped by tenant."""
+    out: dict[str, list[Tombstone]] = {}
+    for ts in tombs:
+        out.setdefault(ts.tenant, []).append(ts)
+    return out
+
+
+def covering(tombs: Mapping[str, Sequence[Tombstone]], row: Mapping[str, Any]
+             ) -> Tombstone | None:
+    """The first tombstone that covers a stored event's content, judged by its envelope
+    (the same rule as `projections.runner.erase_payloads`), or None."""
+    typ = row["type"]
+    if typ not in MEMORY_WRITES and typ not in TASK_CONTENT:
+        return None
+    candidates = tombs.get(row["tenant"])
+    if not candidates:
+        return None
+    order = bytes(row["order_key"])
+    for ts in candidates:
+        if typ in MEMORY_WRITES:
+            if ts.covers_write(row["tenant"], row["memory_id"] or "", row["ns_path"] or "",
+                               row["mkey"] or "", row["task_key"], order):
+                return ts
+        elif row["task_key"] is not None and ts.covers_task(
+                row["tenant"], row["task_key"], row["ns_path"], order):
+            return ts
+    return None
