@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import gc
 import os
 import platform
 import random
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -331,6 +333,47 @@ def mixed_events(n: int, *, seed: int = 7, tenants: int = 4, users: int | None =
             written.append((tenant, user, key, str(ev.memory_id)))
         events.append(_checked(ev, i))
     return events
+
+
+# -- ledgers ------------------------------------------------------------------------------
+
+_SESSION: dict[str, Any] = {}
+
+
+async def load_ledger(db: Path, events: Sequence[Event], *, batch: int = 4000) -> float:
+    """Append `events` to a new ledger at `db` through `Store.append`; returns seconds."""
+    from ledger.store import Store
+
+    store = Store(sqlite_url(db))
+    await store.open()
+    try:
+        with Clock() as c:
+            for i in range(0, len(events), batch):
+                await store.append(events[i:i + batch])
+    finally:
+        await store.close()
+    return c.seconds
+
+
+async def mixed_ledger(dst: Path, n: int, *, seed: int = 3) -> None:
+    """A ledger of `mixed_events(n, seed)` at `dst` (appended through `Store.append`).
+
+    Built once per process and copied for each caller, so modules run together share
+    the set-up cost; the copy is the caller's to change.
+    """
+    key = f"mixed-{n}-{seed}"
+    if key not in _SESSION:
+        if "dir" not in _SESSION:
+            _SESSION["dir"] = tempfile.mkdtemp(prefix="memledger-bench-session-")
+            atexit.register(shutil.rmtree, _SESSION["dir"], True)
+        path = Path(_SESSION["dir"]) / f"{key}.db"
+        with no_gc():
+            events = mixed_events(n, seed=seed)
+        say(f"appending {n:,} mixed events through Store.append (set-up)")
+        secs = await load_ledger(path, events)
+        say(f"set-up ledger ready in {secs:.0f} s ({n / secs:,.0f} events/s)")
+        _SESSION[key] = path
+    copy_sqlite(_SESSION[key], dst)
 
 
 # -- running ------------------------------------------------------------------------------
