@@ -86,6 +86,15 @@ class MemoryLedger:
         async with self.store.read() as conn:
             return await reads.tasks(conn, who, include_closed=include_closed)
 
+    async def history(self, principal: str, namespace: Sequence[str], key: str
+                      ) -> list[dict[str, Any]]:
+        """Every version of a key the principal owns (forgotten ones redacted)."""
+        from projections import reads
+
+        who = reads.Principal.parse(principal)
+        async with self.store.read() as conn:
+            return await reads.history(conn, who, list(namespace), key)
+
     async def recall(self, principal: str, *, query: str | None = None,
                      session: str | None = None, task: str | None = None,
                      budget: int | None = None, limit: int = 20) -> dict[str, Any]:

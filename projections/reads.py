@@ -173,3 +173,29 @@ def keyword_score(query: str, text: str) -> float:
     if not q:
         return 0.0
     return len(q & terms(text)) / len(q)
+
+
+async def history(conn: AsyncConnection, who: Principal, namespace: list[str], key: str
+                  ) -> list[dict[str, Any]]:
+    """Every version of a key the principal owns, in every layer, oldest first.
+
+    Superseded and candidate versions keep their values (the user may see what they
+    said); forgotten ones appear as `{"status": "forgotten", "redacted": true}` only.
+    """
+    if not who.owns(namespace):
+        return []
+    mv = t.mem_versions.c
+    rows = (await conn.execute(select(t.mem_versions).where(
+        mv.tenant == who.tenant, mv.ns_path == ns_path(namespace), mv.mkey == key)
+        .order_by(mv.layer, mv.task_key, mv.session_id, mv.version))).all()
+    covered = {r.memory_id for r in (await conn.execute(select(mv.memory_id).where(
+        mv.tenant == who.tenant, mv.ns_path == ns_path(namespace), mv.mkey == key,
+        ~not_forgotten()))).all()}
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        item = memory_item(r)
+        if r.status == "forgotten" or r.memory_id in covered:
+            item.update(status="forgotten", value=None, redacted=True)
+        item["superseded_by"] = r.superseded_by
+        out.append(item)
+    return out

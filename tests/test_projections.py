@@ -95,7 +95,7 @@ async def test_task_exception_leaves_default(store: Store) -> None:
 
 
 async def test_session_memory_stays_in_session(store: Store) -> None:
-    """A session memory is read only in its own session (R2)."""
+    """A session memory is read only in its own session: layers are scopes of reuse (R1, R2)."""
     await store.append_one(parse_event(write("order", "A123", layer="session",
                                              session_id="C17")))
     await project(store)
@@ -105,7 +105,7 @@ async def test_session_memory_stays_in_session(store: Store) -> None:
 
 
 async def test_other_principals_read_nothing(store: Store) -> None:
-    """Another user or tenant gets `found: false`, the same as for a missing key (R24)."""
+    """Another user or tenant gets `found: false`, the same as for a missing key (R15, R24)."""
     await store.append_one(parse_event(write("reply_language", "zh")))
     await project(store)
     assert (await get(store, "reply_language", who="shop-a/u8")) == {"found": False}
@@ -295,3 +295,17 @@ async def test_rebuild_equals_incremental(store: Store, tmp_path: Path) -> None:
         assert await dump_views(store) == await dump_views(fresh)
     finally:
         await fresh.close()
+
+
+async def test_history_shows_versions_and_redacts_forgotten(db_url: str,
+                                                            register_path: str) -> None:
+    """history lists every version of the principal's key; forgotten ones are redacted,
+    and another user gets nothing (R7, R12, R20, R24)."""
+    async with MemoryLedger(db_url, register_path=register_path) as ml:
+        await ml.append([write("lang", "zh", memory_id="A", source=src(at=at(1))),
+                         write("lang", "en", memory_id="B", source=src(at=at(2)))])
+        await ml.remember(event("memory.forgotten", {"memory_id": "B"}, source=src(at=at(3))))
+        hist = await ml.history("shop-a/u7", NS, "lang")
+        assert [(h["memory_id"], h["version"], h["status"], h["value"]) for h in hist] == [
+            ("A", 1, "superseded", "zh"), ("B", 2, "forgotten", None)]
+        assert await ml.history("shop-a/u8", NS, "lang") == []
