@@ -491,8 +491,18 @@ class Store:
         return [tombstone_from_row(r) for r in (await conn.execute(q)).all()]
 
     async def sqlite_checkpoint(self) -> None:
-        """Move the WAL into the main file and truncate it (erased bytes leave the WAL)."""
-        if self.dialect != "sqlite":
+        """After an erasure: drop old page images of erased content where we can.
+
+        SQLite: move the WAL into the main file and truncate it (with secure_delete on,
+        the erased bytes are then gone from the files). PostgreSQL: VACUUM the tables
+        that held the content, so dead row versions are reclaimed now rather than at
+        autovacuum's leisure (their bytes may still sit in WAL archives: docs/forgetting.md).
+        """
+        if self.dialect == "postgresql":
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                await conn.exec_driver_sql(
+                    "VACUUM events, mem_versions, task_notes, tasks_view, vectors")
             return
         async with self.engine.connect() as conn:
             await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
