@@ -21,14 +21,14 @@ embedder). Changing it re-embeds everything through `memledger replay rebuild
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Any, Final
 
 import numpy as np
 import orjson
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, exists, func, or_, select, tuple_
+from sqlalchemy import and_, delete, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -47,9 +47,24 @@ _FORGETS: Final = ("memory.forgotten", "task.purged")
 _MARKS: Final = ("memory.superseded", "memory.confirmed")
 
 
+_FACTORIES: dict[str, Callable[[], Embedder]] = {}
+
+
+def register_embedder(name: str, factory: Callable[[], Embedder]) -> None:
+    """Make `MEMLEDGER_EMBEDDER=name` build the embedder with `factory` (a plug-in).
+
+    Register it in every process that indexes or recalls (workers, CLI, the app), before
+    the first use; the vectors it writes carry `Embedder.name`, so give each model (and
+    each version of it) a name of its own.
+    """
+    _FACTORIES[name.strip().lower()] = factory
+    _embedder.cache_clear()
+
+
 @lru_cache(maxsize=8)
 def _embedder(name: str) -> Embedder:
-    return get_embedder(name or None)
+    factory = _FACTORIES.get(name.lower())
+    return factory() if factory is not None else get_embedder(name or None)
 
 
 def current_embedder() -> Embedder:
@@ -97,6 +112,18 @@ def task_text(task_key: str, summary: dict[str, Any]) -> str:
 def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
+
+
+def _by_tenant(pairs: Iterable[tuple[str, str]], n: int = 400
+               ) -> Iterable[tuple[str, Sequence[str]]]:
+    """(tenant, ids) chunks: `tenant = ? AND id IN (...)` uses the primary key on both
+    backends, where SQLite scans the table for a row-value `(tenant, id) IN (...)`."""
+    grouped: dict[str, list[str]] = {}
+    for tenant, item in sorted(set(pairs)):
+        grouped.setdefault(tenant, []).append(item)
+    for tenant, items in grouped.items():
+        for chunk in _chunks(items, n):
+            yield tenant, chunk
 
 
 def task_not_forgotten() -> Any:
@@ -179,8 +206,8 @@ class VectorProjection:
             slots.update(await _covered_slots(conn, ts))
             await conn.execute(delete(t.vectors).where(vc.tenant == ts.tenant,
                                                        _covered_entries(ts)))
-        for chunk in _chunks(sorted(mem_ids)):
-            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+        for tenant, chunk in _by_tenant(mem_ids):
+            q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
             slots.update(r[0] for r in (await conn.execute(q)).all())
         # A confirmed candidate's `supersedes` reaches into another slot: one more hop.
         hop: set[tuple[str, str]] = set()
@@ -188,8 +215,8 @@ class VectorProjection:
             q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
             for r in (await conn.execute(q)).all():
                 hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
-        for chunk in _chunks(sorted(hop - mem_ids)):
-            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+        for tenant, chunk in _by_tenant(hop - mem_ids):
+            q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
             slots.update(r[0] for r in (await conn.execute(q)).all())
         if not slots:
             return
@@ -204,9 +231,9 @@ class VectorProjection:
             wanted.extend((await conn.execute(q2)).all())
         # Also whatever the index holds for the touched ids (stale rows from any source).
         every.extend(mem_ids)
-        for chunk in _chunks(sorted(set(every))):
+        for tenant, chunk in _by_tenant(every):
             await conn.execute(delete(t.vectors).where(
-                tuple_(vc.tenant, vc.item_id).in_(chunk), vc.kind == "memory"))
+                vc.tenant == tenant, vc.item_id.in_(chunk), vc.kind == "memory"))
         if not wanted:
             return
         emb = self.embedder
@@ -229,14 +256,13 @@ class VectorProjection:
                 tasks.add((ts.tenant, ts.task_key))
         if not tasks:
             return
-        keys = sorted(tasks)
         wanted: list[Any] = []
-        for chunk in _chunks(keys):
+        for tenant, chunk in _by_tenant(tasks):
             await conn.execute(delete(t.vectors).where(
-                tuple_(vc.tenant, vc.item_id).in_([(k[0], TASK_PREFIX + k[1]) for k in chunk]),
+                vc.tenant == tenant, vc.item_id.in_([TASK_PREFIX + k for k in chunk]),
                 vc.kind == "task"))
             q = select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
-                tuple_(tv.tenant, tv.task_key).in_(chunk), tv.status == "open",
+                tv.tenant == tenant, tv.task_key.in_(chunk), tv.status == "open",
                 tv.purged.is_(False), tv.ns_path.is_not(None), task_not_forgotten())
             wanted.extend((await conn.execute(q)).all())
         if not wanted:

@@ -6,10 +6,12 @@ the convergence of the index whichever order the projections run in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 from sqlalchemy import select
 
 from ledger import schema as t
@@ -24,6 +26,7 @@ from projections.vectors import (
     VectorProjection,
     current_embedder,
     from_blobs,
+    register_embedder,
 )
 from tests.factories import event, src, write
 
@@ -217,3 +220,29 @@ def test_fixed_embedder_is_used() -> None:
     """A projection built with an embedder uses it instead of the environment's."""
     emb = HashedNgramEmbedder(64)
     assert VectorProjection(emb).embedder is emb
+
+
+class TinyEmbedder:
+    """A plug-in embedder for the test: hashed n-grams at 32 dimensions, its own name."""
+
+    name = "tiny-test-v1"
+    dim = 32
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Embed like the default, narrower."""
+        return HashedNgramEmbedder(32).embed(texts)
+
+
+async def test_registered_embedder_plugs_in(store: Store, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """A registered embedder named in MEMLEDGER_EMBEDDER indexes and answers recall."""
+    register_embedder("tiny-test-v1", TinyEmbedder)
+    monkeypatch.setenv(EMBEDDER_ENV, "tiny-test-v1")
+    await append(store, write("reply_language", "Simplified Chinese", memory_id="A",
+                              source=src(at=at(1))))
+    await Runner(store).catch_up()
+    (row,) = (await entries(store)).values()
+    assert (row.model, row.dim) == ("tiny-test-v1", 32)
+    rec = await recall(store, "shop-a/u7", query="reply language", session=None, task=None,
+                       budget=None, limit=5, now_us=NOW)
+    assert [i["memory_id"] for i in rec["items"]] == ["A"]
