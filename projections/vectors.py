@@ -93,9 +93,14 @@ def memory_text(key: str, value: bytes | None, text: str | None) -> str:
     return f"{key}: {shown if isinstance(shown, str) else orjson.dumps(shown).decode()}"
 
 
+#: Every task's indexed text starts with this: users ask after "that ticket", "my order's
+#: issue" or "那个工单" without naming it, and a task is exactly such a thing (R1, R4).
+TASK_LABEL: Final = "open task, ticket, issue / 任务 工单"
+
+
 def task_text(task_key: str, summary: dict[str, Any]) -> str:
-    """What a task is indexed by: key, title, refs, user reports, todos, system status."""
-    parts = [task_key, summary.get("title") or ""]
+    """What a task is indexed by: label, key, title, refs, reports, todos, system status."""
+    parts = [TASK_LABEL, task_key, summary.get("title") or ""]
     for name, ref in (summary.get("refs") or {}).items():
         parts.append(f"{name} {ref}")
     parts.extend(r.get("text", "") for r in summary.get("reports") or [])

@@ -326,14 +326,29 @@ async def test_budget_keeps_task_facts_and_corrections_first(store: Store) -> No
 # -- tasks and ambiguity (R4) ------------------------------------------------------------------
 
 async def test_one_open_ticket_is_found(store: Store) -> None:
-    """'How is that ticket going?' finds the user's one open ticket (R4, R29)."""
-    await open_task(store, "T900", "after-sales ticket: left earbud crackles",
+    """'How is that ticket going?' finds the user's one open ticket, never another's (R4, R29)."""
+    await open_task(store, "T900", "left earbud crackles, inspection requested",
                     {"order": "A123"})
     await open_task(store, "T800", "after-sales ticket: charger broken", {"order": "Z9"},
                     user="u8")
     await Runner(store).catch_up()
-    res = await run(store, "how is that ticket going?")
-    assert [(x["task_key"], x["ambiguous"]) for x in res["tasks"]] == [("T900", False)]
+    for query in ("how is that ticket going?", "那个工单怎么样了？"):
+        res = await run(store, query)
+        assert [(x["task_key"], x["ambiguous"]) for x in res["tasks"]] == [("T900", False)]
+    assert (await run(store, "how is that ticket going?", who="shop-a/u9"))["tasks"] == []
+
+
+async def test_a_specific_question_picks_its_task(store: Store) -> None:
+    """A question about one of two open tasks returns that one alone; a vague one, both (R4)."""
+    await open_task(store, "T900", "left earbud crackles, inspection requested",
+                    {"order": "A123"})
+    await open_task(store, "T901", "refund for the rice cooker", {"order": "B456"})
+    await Runner(store).catch_up()
+    res = await run(store, "has the rice cooker refund been paid?")
+    assert [(x["task_key"], x["ambiguous"]) for x in res["tasks"]] == [("T901", False)]
+    vague = await run(store, "how is that ticket going?")
+    assert sorted((x["task_key"], x["ambiguous"]) for x in vague["tasks"]) == [
+        ("T900", True), ("T901", True)]
 
 
 async def test_several_matching_tickets_are_ambiguous(store: Store) -> None:
