@@ -19,8 +19,8 @@ from typing import Any, Final
 
 import orjson
 import structlog
+from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy import event as sa_event
-from sqlalchemy import func, select, text, tuple_
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -88,6 +88,18 @@ def envelope_of(row: dict[str, Any]) -> dict[str, Any]:
 def chain_link(prev: str, row: dict[str, Any]) -> str:
     """The chain value of a row: hash of the previous link and the row's envelope."""
     return digest(prev.encode() + b"|" + encode_json(envelope_of(row)))
+
+
+def pairs_in(a: Any, b: Any, pairs: Iterable[tuple[Any, Any]]) -> Any:
+    """SQL: `(a, b)` is one of `pairs`, written `a = x AND b IN (...)` per distinct `x`.
+
+    SQLite (3.40) never uses an index for a multi-row `(a, b) IN (VALUES ...)`: it scans
+    the whole table, which made appends and projections slow down as the ledger grew.
+    """
+    grouped: dict[Any, list[Any]] = {}
+    for x, y in pairs:
+        grouped.setdefault(x, []).append(y)
+    return or_(*(and_(a == x, b.in_(ys)) for x, ys in grouped.items()))
 
 
 # -- results and stored events ------------------------------------------------------------
@@ -535,18 +547,18 @@ class _Appender:
         ev = t.events.c
         for chunk in _chunks(keys, 400):
             q1 = select(ev.tenant, ev.idempotency_key, ev.content_digest, ev.position,
-                        ev.suppressed).where(tuple_(ev.tenant, ev.idempotency_key).in_(chunk))
+                        ev.suppressed).where(pairs_in(ev.tenant, ev.idempotency_key, chunk))
             for r in (await c.execute(q1)).all():
                 self.idem[(r[0], r[1])] = (r[2], r[3], bool(r[4]))
         for chunk in _chunks(mids, 400):
             q2 = select(ev.tenant, ev.memory_id, ev.ns_path).where(
-                tuple_(ev.tenant, ev.memory_id).in_(chunk), ev.type.in_(MEMORY_WRITES))
+                pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(MEMORY_WRITES))
             for r2 in (await c.execute(q2)).all():
                 self.mem_owner[(r2[0], r2[1])] = r2[2]
         to = t.task_owners.c
         for chunk in _chunks(tks, 400):
             q3 = select(to.tenant, to.task_key, to.ns_path).where(
-                tuple_(to.tenant, to.task_key).in_(chunk))
+                pairs_in(to.tenant, to.task_key, chunk))
             for r3 in (await c.execute(q3)).all():
                 self.task_owner[(r3[0], r3[1])] = r3[2]
         for ts in await self.store.tombstones(c, tenants):

@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 import orjson
 import structlog
-from sqlalchemy import and_, delete, func, or_, select, tuple_, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json
-from ledger.store import Store, StoredEvent, Tombstone
+from ledger.store import Store, StoredEvent, Tombstone, pairs_in
 from projections.memory import Mark, WriteFact, fact_from_row, marks_of, resolve_slot, write_fact
 from projections.tasks import Note, note_body, summarize
 
@@ -77,10 +77,10 @@ class MemoryProjection:
         targets = {(m.tenant, m.target) for m in marks}
         confirmed_now = [(m.tenant, m.target) for m in marks if m.kind == "confirmed"]
         for chunk in _chunks(sorted(confirmed_now)):
-            q = select(mk.tenant, mk.target).where(tuple_(mk.tenant, mk.via_candidate).in_(chunk))
+            q = select(mk.tenant, mk.target).where(pairs_in(mk.tenant, mk.via_candidate, chunk))
             targets.update((r[0], r[1]) for r in (await conn.execute(q)).all())
         for chunk in _chunks(sorted(targets)):
-            q = select(mv.slot).where(tuple_(mv.tenant, mv.memory_id).in_(chunk))
+            q = select(mv.slot).where(pairs_in(mv.tenant, mv.memory_id, chunk))
             slots.update(r[0] for r in (await conn.execute(q)).all())
         for se in forgets:
             ts = next((x for x in tombs if x.position == se.position), None)
@@ -101,7 +101,7 @@ class MemoryProjection:
         slot_marks: dict[tuple[str, str], list[Mark]] = {}
         vias: set[tuple[str, str]] = set()
         for chunk in _chunks(ids):
-            q = select(t.mem_marks).where(tuple_(mk.tenant, mk.target).in_(chunk))
+            q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
             for r in (await conn.execute(q)).all():
                 m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
                          r.via_candidate)
@@ -110,7 +110,7 @@ class MemoryProjection:
                     vias.add((m.tenant, m.via_candidate))
         confirmed: set[str] = set()
         for chunk in _chunks(sorted(vias)):
-            q = select(mk.target).where(tuple_(mk.tenant, mk.target).in_(chunk),
+            q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
                                         mk.kind == "confirmed")
             confirmed.update(r[0] for r in (await conn.execute(q)).all())
         by_tenant: dict[str, list[Tombstone]] = {}
@@ -180,13 +180,13 @@ class TaskProjection:
         owners: dict[tuple[str, str], str] = {}
         to = t.task_owners.c
         for chunk in _chunks(keys):
-            q = select(t.task_notes).where(tuple_(tn.tenant, tn.task_key).in_(chunk))
+            q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
             for r in (await conn.execute(q)).all():
                 body = _dec(r.body)
                 by_task[(r.tenant, r.task_key)].append(
                     Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
             q2 = select(to.tenant, to.task_key, to.ns_path).where(
-                tuple_(to.tenant, to.task_key).in_(chunk))
+                pairs_in(to.tenant, to.task_key, chunk))
             owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
         tombs = await store.tombstones(conn, {k[0] for k in keys}, upto=upto)
         rows = []
@@ -209,7 +209,7 @@ class TaskProjection:
                                .values(body=None))
         for chunk in _chunks(keys):
             await conn.execute(delete(t.tasks_view).where(
-                tuple_(tv.tenant, tv.task_key).in_(chunk)))
+                pairs_in(tv.tenant, tv.task_key, chunk)))
         await conn.execute(t.tasks_view.insert(), rows)
 
 
