@@ -51,6 +51,7 @@ from projections.embedding import Embedder
 from projections.vectors import (
     PENDING_META,
     TASK_PREFIX,
+    columns_from_blobs,
     current_embedder,
     from_blobs,
     memory_text,
@@ -341,7 +342,7 @@ async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
     return PrincipalIndex(
         position=position, pending=pending, model=emb.name, dim=emb.dim, ids=ids,
         keys=[r.mkey or "" for r in mems], n_long=n_long, groups=groups,
-        columns=np.ascontiguousarray(from_blobs([bytes(r.vector) for r in mems], emb.dim).T),
+        columns=columns_from_blobs([bytes(r.vector) for r in mems], emb.dim),
         recency=recency,
         key_rows=key_rows, task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
         task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),
