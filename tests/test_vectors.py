@@ -28,6 +28,7 @@ from projections.vectors import (
     from_blobs,
     register_embedder,
 )
+from replay.rebuild import rebuild
 from tests.factories import event, src, write
 
 NS = ["shop-a", "u7", "preferences"]
@@ -194,7 +195,7 @@ async def test_rebuild_equals_incremental(store: Store) -> None:
 
 async def test_changing_the_model_reembeds_on_rebuild(store: Store,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """With MEMLEDGER_EMBEDDER changed, recall skips old entries until the index is rebuilt."""
+    """With MEMLEDGER_EMBEDDER changed, recall skips old entries until `replay rebuild`."""
     await append(store, write("reply_language", "Simplified Chinese", memory_id="A",
                               source=src(at=at(1))))
     await Runner(store).catch_up()
@@ -204,11 +205,7 @@ async def test_changing_the_model_reembeds_on_rebuild(store: Store,
     stale = await recall(store, "shop-a/u7", query=query, session=None, task=None,
                          budget=None, limit=5, now_us=NOW)
     assert stale["items"] == []  # entries of another model are never compared
-    async with store.view_write() as conn:
-        await conn.execute(t.vectors.delete())
-        await conn.execute(t.checkpoints.update().where(
-            t.checkpoints.c.name == "vectors").values(position=0))
-    await Runner(store).catch_up()
+    await rebuild(store, ["vectors"], progress=False)  # replay rebuild --projection vectors
     (row,) = (await entries(store)).values()
     assert (row.model, row.dim, len(bytes(row.vector))) == ("hashgram-v1-256", 256, 1024)
     rec = await recall(store, "shop-a/u7", query=query, session=None, task=None,
