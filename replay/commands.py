@@ -25,7 +25,8 @@ def _add_parsers(sub: Any) -> None:
                     help="rebuild only this projection (repeatable; default: all)")
     rb.add_argument("--restart", action="store_true",
                     help="start over even if an interrupted rebuild could be resumed")
-    rb.add_argument("--batch-size", type=int, default=1000, help="events per transaction")
+    rb.add_argument("--batch-size", type=int, default=4000,
+                    help="events per transaction (default 4000)")
     rb.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     au = actions.add_parser("audit", help="the history of a memory, key or task, and the "
