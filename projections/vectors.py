@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Final
 
@@ -151,6 +152,83 @@ def task_not_forgotten() -> Any:
              func.substr(tv.ns_path, 1, func.length(ts.ns_path)) == ts.ns_path)))
 
 
+@dataclass
+class Touched:
+    """What a run of events can change in the index: memory ids, slots, tasks, forgets."""
+
+    mem_ids: set[tuple[str, str]] = field(default_factory=set)
+    slots: set[str] = field(default_factory=set)
+    tasks: set[tuple[str, str]] = field(default_factory=set)
+    forgets: set[int] = field(default_factory=set)  # positions of forgets and purges
+    forget_tenants: set[str] = field(default_factory=set)
+
+    async def tombstones(self, store: Store, conn: AsyncConnection, upto: int
+                         ) -> list[Tombstone]:
+        """The tombstones of the touched forgets and purges."""
+        if not self.forgets:
+            return []
+        return [ts for ts in await store.tombstones(conn, self.forget_tenants, upto=upto)
+                if ts.position in self.forgets]
+
+
+def touched(events: Iterable[StoredEvent]) -> Touched:
+    """The memory ids, slots, tasks and forgets a run of events touches."""
+    out = Touched()
+    for se in events:
+        if se.type in MEMORY_WRITES and se.slot:
+            out.slots.add(se.slot)
+        if se.memory_id and (se.type in MEMORY_WRITES or se.type in _MARKS
+                             or se.type == "memory.forgotten"):
+            out.mem_ids.add((se.tenant, se.memory_id))
+        if se.event is not None and (se.type in MEMORY_WRITES or se.type in _MARKS):
+            for ref in ("supersedes", "superseded_by"):
+                other = se.event.data.get(ref)
+                if other:
+                    out.mem_ids.add((se.tenant, str(other)))
+        if se.type in TASK_TYPES and se.task_key:
+            out.tasks.add((se.tenant, se.task_key))
+        if se.type in _FORGETS:
+            out.forgets.add(se.position)
+            out.forget_tenants.add(se.tenant)
+    return out
+
+
+async def slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: set[str],
+                   tombs: Sequence[Tombstone]) -> set[str]:
+    """Every slot whose entries those ids, slots and tombstones can change.
+
+    The slots of the ids, those the tombstones cover, and one hop further: a confirmed
+    candidate's `supersedes` reaches into another slot.
+    """
+    mv = t.mem_versions.c
+    out = set(slots)
+    for ts in tombs:
+        out.update(await _covered_slots(conn, ts))
+    for tenant, chunk in _by_tenant(mem_ids):
+        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
+        out.update(r[0] for r in (await conn.execute(q)).all())
+    hop: set[tuple[str, str]] = set()
+    for chunk in _chunks(sorted(out)):
+        q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
+        for r in (await conn.execute(q)).all():
+            hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
+    for tenant, chunk in _by_tenant(hop - mem_ids):
+        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
+        out.update(r[0] for r in (await conn.execute(q)).all())
+    return out
+
+
+async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
+                              ) -> set[tuple[str, str]]:
+    """(tenant, memory_id) of every version in those slots."""
+    mv = t.mem_versions.c
+    out: set[tuple[str, str]] = set()
+    for chunk in _chunks(sorted(set(slots))):
+        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+        out.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+    return out
+
+
 class VectorProjection:
     """Keeps `vectors` equal to {active memories} + {open tasks}, embedded."""
 
@@ -186,32 +264,10 @@ class VectorProjection:
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     events: Sequence[StoredEvent], upto: int) -> None:
-        mem_ids: set[tuple[str, str]] = set()
-        slots: set[str] = set()
-        tasks: set[tuple[str, str]] = set()
-        forget_positions: set[int] = set()
-        for se in events:
-            if se.type in MEMORY_WRITES and se.slot:
-                slots.add(se.slot)
-            if se.memory_id and (se.type in MEMORY_WRITES or se.type in _MARKS
-                                 or se.type == "memory.forgotten"):
-                mem_ids.add((se.tenant, se.memory_id))
-            if se.event is not None and (se.type in MEMORY_WRITES or se.type in _MARKS):
-                for ref in ("supersedes", "superseded_by"):
-                    other = se.event.data.get(ref)
-                    if other:
-                        mem_ids.add((se.tenant, str(other)))
-            if se.type in TASK_TYPES and se.task_key:
-                tasks.add((se.tenant, se.task_key))
-            if se.type in _FORGETS:
-                forget_positions.add(se.position)
-        tombs: list[Tombstone] = []
-        if forget_positions:
-            tombs = [ts for ts in await store.tombstones(
-                conn, {se.tenant for se in events if se.position in forget_positions},
-                upto=upto) if ts.position in forget_positions]
-        await self._sync_memories(conn, mem_ids, slots, tombs)
-        await self._sync_tasks(conn, tasks, tombs)
+        touch = touched(events)
+        tombs = await touch.tombstones(store, conn, upto)
+        await self._sync_memories(conn, touch.mem_ids, touch.slots, tombs)
+        await self._sync_tasks(conn, touch.tasks, tombs)
 
     async def _sync_memories(self, conn: AsyncConnection, mem_ids: set[tuple[str, str]],
                              slots: set[str], tombs: Sequence[Tombstone]) -> None:
@@ -219,21 +275,9 @@ class VectorProjection:
         for ts in tombs:
             # Drop every entry the forget covers, stale ones included; what the slot
             # still holds (a write said again after the forget) is re-added below.
-            slots.update(await _covered_slots(conn, ts))
             await conn.execute(delete(t.vectors).where(vc.tenant == ts.tenant,
                                                        _covered_entries(ts)))
-        for tenant, chunk in _by_tenant(mem_ids):
-            q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
-            slots.update(r[0] for r in (await conn.execute(q)).all())
-        # A confirmed candidate's `supersedes` reaches into another slot: one more hop.
-        hop: set[tuple[str, str]] = set()
-        for chunk in _chunks(sorted(slots)):
-            q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
-            for r in (await conn.execute(q)).all():
-                hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
-        for tenant, chunk in _by_tenant(hop - mem_ids):
-            q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
-            slots.update(r[0] for r in (await conn.execute(q)).all())
+        slots = await slots_of(conn, mem_ids, slots, tombs)
         if not slots:
             return
         every: list[tuple[str, str]] = []
