@@ -249,3 +249,31 @@ def test_publish_to_a_down_broker_reports_not_sent() -> None:
         res = pub.publish([write("a", 1), write("b", 2), {"type": "x"}, write("c", 3)])
     assert [r.status for r in res] == ["not_sent", "not_sent", "rejected", "not_sent"]
     assert all("not sent" in str(r.error) for r in res if r.status == "not_sent")
+
+
+def test_several_processes_split_projection_from_ingest() -> None:
+    """With --processes N and both queues, process 0 projects and sweeps, the rest ingest."""
+    from workers.broker import PROJECT_QUEUE
+    from workers.daemon import roles
+    from workers.runtime import Settings
+
+    many = roles(Settings(redis_url="redis://x", processes=3))
+    assert [r.queues for r in many] == [(PROJECT_QUEUE,), (INGEST_QUEUE,), (INGEST_QUEUE,)]
+    assert {r.processes for r in many} == {1}
+    only = roles(Settings(redis_url="redis://x", processes=2, queues=(INGEST_QUEUE,)))
+    assert [r.queues for r in only] == [(INGEST_QUEUE,), (INGEST_QUEUE,)]
+
+
+async def test_batched_appends_of_concurrent_messages_share_commits(store: Store) -> None:
+    """Concurrent ingest messages held briefly by the batcher are appended together,
+    each event still on its own: a bad one does not sink the others."""
+    from workers.ingest import AppendBatcher
+
+    batcher = AppendBatcher(store, linger=0.05)
+    msgs = [[write(f"k{i}", i, idem=f"b-{i}")] for i in range(30)]
+    msgs.append([write("card", CARD, idem="b-card")])
+    outs = await asyncio.gather(*(ingest_events(store, m, append=batcher) for m in msgs))
+    assert sum(o.appended for o in outs) == 30 and sum(o.dead for o in outs) == 1
+    async with store.read() as conn:
+        recorded = {r[0] for r in (await conn.execute(select(t.events.c.recorded_at))).all()}
+    assert len(recorded) == 1  # one group-commit transaction stamped them all

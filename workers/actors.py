@@ -44,7 +44,8 @@ def current() -> Runtime:
 async def memledger_ingest(events: Any, deferrals: int = 0) -> None:
     """Append one published message's events (see `workers.ingest`)."""
     rt = current()
-    out = await ingest_events(rt.store, events, deferrals=int(deferrals), defer=rt.defer)
+    out = await ingest_events(rt.store, events, deferrals=int(deferrals), defer=rt.defer,
+                              append=rt.append)
     log.debug("ingested", appended=out.appended, duplicates=out.duplicates, dead=out.dead,
               deferred=out.deferred)
 

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -41,6 +42,9 @@ from ledger.logs import configure
 from workers import actors
 from workers.broker import (
     HEARTBEAT_INTERVAL_S,
+    INGEST_QUEUE,
+    PROJECT_QUEUE,
+    QUEUES,
     WORKER_TIMEOUT_MS,
     LedgerBroker,
     daemon_key,
@@ -177,7 +181,9 @@ class WorkerProcess:
         down = False
         while not self._stop.is_set():
             try:
-                self.broker.housekeep(self.settings.queues)
+                # Every queue, consumed here or not: a dead process's messages come
+                # back whichever daemons are left.
+                self.broker.housekeep(QUEUES)
                 publish_status(self.broker, self.daemon_id, self.status())
                 if down:
                     log.info("broker_reachable", broker=safe_url(self.settings.redis_url))
@@ -226,11 +232,26 @@ def _child_main(settings: Settings, index: int, parent: int) -> None:
     sys.exit(asyncio.run(serve(settings, index)))
 
 
+def roles(settings: Settings) -> list[Settings]:
+    """The settings of each worker process of a daemon.
+
+    With both queues and several processes, the first process projects (project queue
+    and sweep) and the others ingest: the two jobs then use separate cores instead of
+    taking turns on one process's loop. Otherwise every process does what was asked.
+    """
+    one = replace(settings, processes=1)
+    n = settings.processes
+    if n == 1 or not (settings.projects and settings.ingests):
+        return [one] * n
+    return [replace(one, queues=(PROJECT_QUEUE,))] + [replace(one, queues=(INGEST_QUEUE,))] * (
+        n - 1)
+
+
 async def supervise(settings: Settings) -> int:
     """Run `settings.processes` worker processes; exit 1 when one dies (supervisor restarts)."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_child_main, args=(settings, i, os.getpid()),
-                         name=f"memledger-worker-{i}") for i in range(settings.processes)]
+    procs = [ctx.Process(target=_child_main, args=(s, i, os.getpid()),
+                         name=f"memledger-worker-{i}") for i, s in enumerate(roles(settings))]
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
     for p in procs:

@@ -39,6 +39,63 @@ log = structlog.get_logger("memledger.workers")
 
 #: Sends events again after a delay: (raw events, deferral count, delay in ms).
 Deferrer = Callable[[list[Any], int, int], Awaitable[None]]
+#: Appends each event on its own; one result (or the error) per event.
+AppendEach = Callable[[Sequence[Event]], Awaitable[list[Any]]]
+
+
+def append_each(store: Store) -> AppendEach:
+    """Append every event as its own request, all at once: one group commit, each atomic."""
+    async def run(events: Sequence[Event]) -> list[Any]:
+        return list(await asyncio.gather(*(store.append([ev]) for ev in events),
+                                         return_exceptions=True))
+    return run
+
+
+class AppendBatcher:
+    """Lets the appends of concurrent ingest messages meet in one group commit.
+
+    Messages of a few events arrive spread out in time; committing each on its own
+    costs a transaction per message. The batcher holds appends for up to `linger`
+    seconds (or until `max_events` are waiting) and sends them to the store together,
+    so they share one transaction (each event still its own atomic request).
+    """
+
+    def __init__(self, store: Store, *, linger: float = 0.01, max_events: int = 1000) -> None:
+        self.store = store
+        self.linger = linger
+        self.max_events = max_events
+        self._waiting: list[tuple[Sequence[Event], asyncio.Future[list[Any]]]] = []
+        self._count = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def __call__(self, events: Sequence[Event]) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        self._waiting.append((events, fut))
+        self._count += len(events)
+        if self._count >= self.max_events:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.linger, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting, self._waiting, self._count = self._waiting, [], 0
+        if waiting:
+            asyncio.get_running_loop().create_task(self._send(waiting))
+
+    async def _send(self, waiting: list[tuple[Sequence[Event], asyncio.Future[list[Any]]]]
+                    ) -> None:
+        flat = [ev for evs, _ in waiting for ev in evs]
+        results = await append_each(self.store)(flat)
+        i = 0
+        for evs, fut in waiting:
+            if not fut.done():
+                fut.set_result(results[i:i + len(evs)])
+            i += len(evs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +109,8 @@ class IngestOutcome:
 
 
 async def ingest_events(store: Store, events: Any, *, deferrals: int = 0,
-                        defer: Deferrer | None = None) -> IngestOutcome:
+                        defer: Deferrer | None = None, append: AppendEach | None = None
+                        ) -> IngestOutcome:
     """Validate and append one message's events; dead-letter or defer what is rejected.
 
     Raises the first transient error (`StoreUnavailable`, ...) so the message is
@@ -70,8 +128,7 @@ async def ingest_events(store: Store, events: Any, *, deferrals: int = 0,
             parsed.append((raw, parse_event(raw)))
         except ValidationError as e:
             dead.append((raw, e))
-    results = await asyncio.gather(*(store.append([ev]) for _, ev in parsed),
-                                   return_exceptions=True)
+    results = await (append or append_each(store))([ev for _, ev in parsed])
     appended = duplicates = 0
     later: list[tuple[Any, BaseException]] = []
     for (raw, _), res in zip(parsed, results, strict=True):

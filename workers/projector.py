@@ -76,16 +76,18 @@ class Projector:
 
     async def _loop(self) -> None:
         assert self._dirty is not None
-        ended = 0.0
+        ended = took = 0.0
         while True:
             await self._dirty.wait()
-            # Leave room between passes: under a stream of commits each pass then takes
-            # many events at once, and appends get the (SQLite) write lock in between.
-            pause = ended + self.min_interval - time.monotonic()
+            # Leave room between passes, at least as long as the last pass took: under a
+            # stream of commits each pass then takes many events at once, and the appends
+            # get the (SQLite) write lock, and this process's loop, at least half the time.
+            pause = ended + max(self.min_interval, took) - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)
             self._dirty.clear()
             waiters, self._pending = self._pending, []
+            started = time.monotonic()
             try:
                 await self.run_pass()
             except asyncio.CancelledError:
@@ -101,6 +103,7 @@ class Projector:
                 continue
             finally:
                 ended = time.monotonic()
+                took = ended - started
             for w in waiters:
                 if not w.done():
                     w.set_result(None)

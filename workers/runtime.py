@@ -18,6 +18,7 @@ import structlog
 from ledger.errors import MemledgerError
 from ledger.store import Store
 from workers.broker import INGEST_QUEUE, PROJECT_QUEUE, QUEUES, LedgerBroker, safe_url
+from workers.ingest import AppendBatcher
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
 from workers.wake import WakeSender, broker_sender
@@ -68,6 +69,7 @@ class Runtime:
         self.settings = settings
         self.broker = broker
         self.store = Store(settings.db_url, register_path=settings.register_path)
+        self.append = AppendBatcher(self.store)
         self.projector = Projector(self.store) if settings.projects else None
         self.wakes = WakeSender(broker_sender(broker), label=safe_url(broker.url))
         self.store.on_commit(self._committed)

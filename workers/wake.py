@@ -23,7 +23,7 @@ from workers.broker import PROJECT_QUEUE, WAKE_ACTOR, LedgerBroker, redis_url, s
 
 log = structlog.get_logger("memledger.workers")
 
-MIN_INTERVAL_S: Final = 0.05
+MIN_INTERVAL_S: Final = 0.02
 #: While the broker is down, one warning per this many seconds.
 WARN_EVERY_S: Final = 60.0
 
