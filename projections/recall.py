@@ -32,7 +32,7 @@ import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -54,8 +54,11 @@ from projections.vectors import (
     columns_from_blobs,
     current_embedder,
     from_blobs,
+    memory_ids_of_slots,
     memory_text,
+    slots_of,
     task_text,
+    touched,
 )
 
 log = structlog.get_logger("memledger.recall")
@@ -81,6 +84,8 @@ POOL: Final = 48
 #: Writes newer than the index considered directly: at most this many, this recent.
 LAG_MAX: Final = 256
 LAG_WINDOW: Final = 5000
+#: A cached index is patched for at most this many new events, else reloaded.
+REFRESH_MAX: Final = 2000
 CACHE_ENV: Final = "MEMLEDGER_RECALL_CACHE_MB"
 
 
@@ -140,14 +145,24 @@ def task_tokens(task: dict[str, Any]) -> int:
 # -- the principal's vector matrix, cached ------------------------------------------------
 
 @dataclass(eq=False)
-class PrincipalIndex:
-    """One principal's vectors of one model, as loaded at a `vectors` checkpoint.
+class _Group:
+    """The memories of one task or one session: few, kept apart from long-term rows."""
 
-    Memory rows are ordered long-term first, then grouped by task or session, so the
-    layer filter is a slice taken before any score is computed. The matrix is stored
-    transposed (`columns[d, row]`): a sparse query (the hashed n-gram embedder's has
-    ~60 of 512 dimensions set) then reads only its own dimensions' rows of memory,
-    which is what keeps 100k vectors under the latency target (see `scores`).
+    ids: list[str]
+    keys: list[str]
+    columns: NDArray[np.float32]  # (dim, k)
+
+
+@dataclass(eq=False)
+class PrincipalIndex:
+    """One principal's vectors of one model, as of a `vectors` checkpoint.
+
+    Long-term rows live in one transposed matrix (`columns[d, row]`), append-only with
+    a liveness mask, so an update of a few entries patches the cache instead of
+    reloading 100k vectors; task and session memories live in small per-group
+    matrices, so the layer filter picks groups before any score is computed. Storing
+    the matrix transposed makes a sparse query (the hashed n-gram embedder's sets ~60
+    of 512 dimensions) read only its own dimensions (see `long_scores`).
     """
 
     position: int
@@ -155,37 +170,112 @@ class PrincipalIndex:
     pending: int | None
     model: str
     dim: int
+    columns: NDArray[np.float32]  # (dim, capacity), rows [0, n) used
+    n: int
+    alive: NDArray[np.bool_]
     ids: list[str]
     keys: list[str]
-    n_long: int
-    groups: dict[tuple[str, str], tuple[int, int]]
-    columns: NDArray[np.float32]  # (dim, rows), C-contiguous
-    recency: NDArray[np.int64]  # long-term row indexes, newest source order first
-    key_rows: dict[str, list[int]]
+    orders: list[bytes]
+    row_of: dict[str, int]  # live long-term rows by memory id
+    key_rows: dict[str, list[int]]  # normalised key -> long-term rows (live or not)
+    groups: dict[tuple[str, str], _Group]
     task_ids: list[str]
     task_matrix: NDArray[np.float32]
-    id_set: frozenset[str] = field(default_factory=frozenset)
     stamp: float = 0.0
     other_models: int = 0  # entries of another embedder (the index awaits a rebuild)
+    _recency: NDArray[np.int64] | None = None
 
     @property
     def nbytes(self) -> int:
         """Approximate memory held."""
-        return int(self.columns.nbytes + self.task_matrix.nbytes + 200 * len(self.ids))
+        extra = sum(g.columns.nbytes for g in self.groups.values())
+        return int(self.columns.nbytes + self.task_matrix.nbytes + extra + 200 * self.n)
 
-    def scores(self, q: NDArray[np.float32], lo: int, hi: int) -> NDArray[np.float32]:
-        """Cosine of the query with rows [lo, hi) (all vectors are unit length).
+    @property
+    def dead(self) -> int:
+        """Long-term rows removed since the last full load."""
+        return self.n - len(self.row_of)
+
+    def has(self, memory_id: str) -> bool:
+        """Does the index hold an entry for this memory?"""
+        return memory_id in self.row_of or any(
+            memory_id in g.ids for g in self.groups.values())
+
+    def long_scores(self, q: NDArray[np.float32]) -> NDArray[np.float32]:
+        """Cosine of the query with every long-term row (removed rows: -inf).
 
         Exact either way: with few non-zero query dimensions, sum those dimensions'
         rows (memory traffic ~ non-zeros x rows); otherwise one matrix product.
         """
-        nz = np.flatnonzero(q)
-        if len(nz) * 3 > self.dim:
-            return (q @ self.columns[:, lo:hi]).astype(np.float32, copy=False)
-        out = np.zeros(hi - lo, dtype=np.float32)
-        for d in nz:
-            out += q[d] * self.columns[d, lo:hi]
+        out = _scores(self.columns[:, :self.n], q)
+        if self.dead:
+            out[~self.alive[:self.n]] = -np.inf
         return out
+
+    def recency(self) -> NDArray[np.int64]:
+        """Live long-term rows, newest source order first."""
+        if self._recency is None:
+            rows = sorted(self.row_of.values(), key=self.orders.__getitem__, reverse=True)
+            self._recency = np.asarray(rows, dtype=np.int64)
+        return self._recency
+
+    def remove(self, memory_id: str) -> None:
+        """Drop an entry (its vector is zeroed: a forgotten memory leaves no copy here)."""
+        row = self.row_of.pop(memory_id, None)
+        if row is not None:
+            self.alive[row] = False
+            self.columns[:, row] = 0.0
+            self._recency = None
+        for key, g in list(self.groups.items()):
+            if memory_id in g.ids:
+                keep = [i for i, m in enumerate(g.ids) if m != memory_id]
+                if not keep:
+                    del self.groups[key]
+                    continue
+                self.groups[key] = _Group([g.ids[i] for i in keep], [g.keys[i] for i in keep],
+                                          np.ascontiguousarray(g.columns[:, keep]))
+
+    def add(self, r: Any, vec: NDArray[np.float32]) -> None:
+        """Add one entry (a row of `_ROW_COLUMNS`)."""
+        key = r.mkey or ""
+        if r.layer != "long":
+            gk = _group_key(r)
+            g = self.groups.get(gk)
+            col = vec.reshape(self.dim, 1)
+            self.groups[gk] = (_Group([r.item_id], [key], col) if g is None else _Group(
+                [*g.ids, r.item_id], [*g.keys, key], np.hstack([g.columns, col])))
+            return
+        if self.n == self.columns.shape[1]:
+            grown = np.zeros((self.dim, max(16, self.n * 5 // 4)), dtype=np.float32)
+            grown[:, :self.n] = self.columns[:, :self.n]
+            alive = np.zeros(grown.shape[1], dtype=bool)
+            alive[:self.n] = self.alive[:self.n]
+            self.columns, self.alive = grown, alive
+        row = self.n
+        self.columns[:, row] = vec
+        self.alive[row] = True
+        self.ids.append(r.item_id)
+        self.keys.append(key)
+        self.orders.append(bytes(r.order_key) if r.order_key is not None else b"")
+        self.row_of[r.item_id] = row
+        self.key_rows.setdefault(_norm_key(key), []).append(row)
+        self.n += 1
+        self._recency = None
+
+
+def _scores(columns: NDArray[np.float32], q: NDArray[np.float32]) -> NDArray[np.float32]:
+    """Cosine of a unit query with the unit columns of a transposed matrix."""
+    nz = np.flatnonzero(q)
+    if len(nz) * 3 > columns.shape[0]:
+        return np.asarray(q @ columns, dtype=np.float32)
+    out = np.zeros(columns.shape[1], dtype=np.float32)
+    for d in nz:
+        out += q[d] * columns[d]
+    return out
+
+
+def _group_key(r: Any) -> tuple[str, str]:
+    return (r.layer, (r.task_key if r.layer == "task" else r.session_id) or "")
 
 
 class IndexCache:
@@ -197,6 +287,7 @@ class IndexCache:
         self._items: OrderedDict[tuple[str, ...], PrincipalIndex] = OrderedDict()
         self._bytes = 0
         self.loads = 0
+        self.patches = 0
 
     def get(self, key: tuple[str, ...]) -> PrincipalIndex | None:
         """The cached index, marked as recently used."""
@@ -253,100 +344,133 @@ async def principal_index(conn: AsyncConnection, store: Store, who: reads.Princi
                           emb: Embedder, at: _Positions | None = None) -> PrincipalIndex:
     """The principal's vectors at the current `vectors` checkpoint (cached)."""
     at = at or await _positions(conn)
-    position, stamp, pending = at.vectors, at.stamp, at.pending
     key = (store.url, who.tenant, who.user, emb.name)
     cached = CACHE.get(key)
     # The step time tells a rebuild that ended at the same position from no change.
-    if cached is not None and (cached.position, cached.stamp) == (position, stamp):
+    if cached is not None and (cached.position, cached.stamp) == (at.vectors, at.stamp):
         return cached
-    if cached is not None and pending is None and cached.pending is None \
-            and cached.position < position <= cached.position + LAG_WINDOW \
-            and not await _touched(conn, who, cached, position):
-        cached.position, cached.stamp = position, stamp  # nothing of this principal changed
+    if cached is not None and at.pending is None and cached.pending is None \
+            and cached.position < at.vectors <= cached.position + LAG_WINDOW \
+            and await _refresh(conn, store, who, emb, cached, at.vectors):
+        cached.position, cached.stamp = at.vectors, at.stamp
+        CACHE.put(key, cached)  # its size may have changed
         return cached
-    idx = await _load_index(conn, store, who, emb, position, pending)
-    idx.stamp = stamp
+    idx = await _load_index(conn, store, who, emb, at.vectors, at.pending)
+    idx.stamp = at.stamp
     CACHE.put(key, idx)
     return idx
 
 
-async def _touched(conn: AsyncConnection, who: reads.Principal, idx: PrincipalIndex,
-                   position: int) -> bool:
-    """Did any event in (idx.position, position] concern this principal's items?"""
-    ev = t.events.c
-    rows = (await conn.execute(select(ev.ns_path, ev.memory_id).where(
-        ev.position > idx.position, ev.position <= position, ev.tenant == who.tenant))).all()
-    unknown: set[str] = set()
-    for ns, mid in rows:
-        if ns is not None:
-            if ns.startswith(who.prefix) or who.prefix.startswith(ns):
-                return True
-        elif mid is not None:
-            if mid in idx.id_set:
-                return True
-            unknown.add(mid)
-        else:
-            return True
-    if unknown:
-        mv = t.mem_versions.c
-        q = select(func.count()).where(mv.tenant == who.tenant, mv.memory_id.in_(
-            sorted(unknown)), reads.prefix_match(mv.ns_path, who.prefix))
-        return bool((await conn.execute(q)).scalar())
-    return False
-
-
-async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
-                      emb: Embedder, position: int, pending: int | None) -> PrincipalIndex:
+def _index_rows(who: reads.Principal, store: Store) -> Any:
+    """SELECT of the principal's index entries, with key and source order beside."""
     vc, mv = t.vectors.c, t.mem_versions.c
     conds = [vc.tenant == who.tenant, reads.prefix_match(vc.ns_path, who.prefix)]
     if store.dialect == "sqlite":
         # A range the (tenant, ns_path) index can serve; SQLite compares TEXT bytewise.
         conds += [vc.ns_path >= who.prefix, vc.ns_path < who.prefix[:-1] + "\x20"]
-    q = (select(vc.item_id, vc.kind, vc.layer, vc.task_key, vc.session_id, vc.model,
-                vc.dim, vc.vector, mv.mkey, mv.order_key)
-         .select_from(t.vectors.outerjoin(t.mem_versions, and_(
-             mv.tenant == vc.tenant, mv.memory_id == vc.item_id)))
-         .where(*conds))
-    rows = (await conn.execute(q)).all()
+    return (select(vc.item_id, vc.kind, vc.layer, vc.task_key, vc.session_id, vc.model,
+                   vc.dim, vc.vector, mv.mkey, mv.order_key)
+            .select_from(t.vectors.outerjoin(t.mem_versions, and_(
+                mv.tenant == vc.tenant, mv.memory_id == vc.item_id)))
+            .where(*conds))
+
+
+async def _refresh(conn: AsyncConnection, store: Store, who: reads.Principal, emb: Embedder,
+                   idx: PrincipalIndex, position: int) -> bool:
+    """Patch the cached index with what changed in (idx.position, position].
+
+    Uses the projection's own notion of what a run of events touches (`touched`,
+    `slots_of`), restricted to this principal. Returns False when a full reload is the
+    better choice (a prefix forget, many changes, many removed rows).
+    """
+    events = [se for se in await store.read_events(conn, idx.position, REFRESH_MAX + 1,
+                                                   upto=position)
+              if se.tenant == who.tenant]
+    if len(events) > REFRESH_MAX:
+        return False
+    mine = [se for se in events if _concerns(se, who, idx)]
+    seen = {se.position for se in mine}
+    unknown = sorted({se.memory_id for se in events if se.ns_path is None
+                      and se.memory_id and se.position not in seen})
+    if unknown:  # supersessions or confirmations of ids the index does not hold
+        mv = t.mem_versions.c
+        q = select(mv.memory_id).where(mv.tenant == who.tenant, mv.memory_id.in_(unknown),
+                                       reads.prefix_match(mv.ns_path, who.prefix))
+        theirs = {r[0] for r in (await conn.execute(q)).all()}
+        mine.extend(se for se in events if se.memory_id in theirs and se.ns_path is None)
+    if not mine:
+        return True
+    if any(se.type == "memory.forgotten" and se.mkey is None and se.memory_id is None
+           for se in mine):
+        return False  # a namespace-prefix forget: reload
+    touch = touched(mine)
+    tombs = await touch.tombstones(store, conn, position)
+    ids = {m for _, m in await memory_ids_of_slots(
+        conn, await slots_of(conn, touch.mem_ids, touch.slots, tombs))}
+    ids.update(m for _, m in touch.mem_ids)
+    vc = t.vectors.c
+    rows: list[Any] = []
+    for chunk in _chunk_list(sorted(ids)):
+        q = _index_rows(who, store).where(vc.item_id.in_(chunk), vc.kind == "memory",
+                                          vc.model == emb.name, vc.dim == emb.dim)
+        rows.extend((await conn.execute(q)).all())
+    for m in ids:
+        idx.remove(m)
+    vecs = from_blobs([bytes(r.vector) for r in rows], emb.dim)
+    for r, vec in zip(rows, vecs, strict=True):
+        idx.add(r, vec)
+    if touch.tasks or tombs:
+        q = _index_rows(who, store).where(vc.kind == "task", vc.model == emb.name,
+                                          vc.dim == emb.dim)
+        tasks = (await conn.execute(q)).all()
+        idx.task_ids = [r.item_id[len(TASK_PREFIX):] for r in tasks]
+        idx.task_matrix = from_blobs([bytes(r.vector) for r in tasks], emb.dim)
+    CACHE.patches += 1
+    return idx.dead <= max(1024, idx.n // 4)  # past that, compact by reloading
+
+
+def _concerns(se: Any, who: reads.Principal, idx: PrincipalIndex) -> bool:
+    """Is the event about this principal's namespaces (or an id its index holds)?"""
+    if se.ns_path is not None:
+        return bool(se.ns_path.startswith(who.prefix) or who.prefix.startswith(se.ns_path))
+    return se.memory_id is not None and idx.has(se.memory_id)
+
+
+def _chunk_list(items: Sequence[str], n: int = 400) -> list[Sequence[str]]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
+                      emb: Embedder, position: int, pending: int | None) -> PrincipalIndex:
+    rows = (await conn.execute(_index_rows(who, store))).all()
     CACHE.loads += 1
     other = sum(1 for r in rows if r.model != emb.name or r.dim != emb.dim)
     if other:
         log.warning("vectors_of_other_model", entries=other, model=emb.name,
                     hint="run `memledger replay rebuild --projection vectors`")
-    mems = [r for r in rows if r.kind == "memory" and r.model == emb.name and r.dim == emb.dim]
-    tasks = [r for r in rows if r.kind == "task" and r.model == emb.name and r.dim == emb.dim]
-
-    def group(r: Any) -> tuple[int, str, str]:
-        if r.layer == "long":
-            return (0, "", "")
-        return (1, r.layer, (r.task_key if r.layer == "task" else r.session_id) or "")
-
-    mems.sort(key=group)
-    groups: dict[tuple[str, str], tuple[int, int]] = {}
-    n_long = 0
-    for i, r in enumerate(mems):
-        g = group(r)
-        if g[0] == 0:
-            n_long = i + 1
-            continue
-        start, _ = groups.get((g[1], g[2]), (i, i))
-        groups[(g[1], g[2])] = (start, i + 1)
+    ours = [r for r in rows if r.model == emb.name and r.dim == emb.dim]
+    longs = [r for r in ours if r.kind == "memory" and r.layer == "long"]
+    tasks = [r for r in ours if r.kind == "task"]
+    grouped: dict[tuple[str, str], list[Any]] = {}
+    for r in ours:
+        if r.kind == "memory" and r.layer != "long":
+            grouped.setdefault(_group_key(r), []).append(r)
     key_rows: dict[str, list[int]] = {}
-    for i, r in enumerate(mems):
-        if r.mkey:
-            key_rows.setdefault(_norm_key(r.mkey), []).append(i)
-    orders = [bytes(r.order_key) if r.order_key is not None else b"" for r in mems[:n_long]]
-    recency = np.asarray(sorted(range(n_long), key=orders.__getitem__, reverse=True),
-                         dtype=np.int64)
-    ids = [r.item_id for r in mems]
+    for i, r in enumerate(longs):
+        key_rows.setdefault(_norm_key(r.mkey or ""), []).append(i)
+    ids = [r.item_id for r in longs]
     return PrincipalIndex(
-        position=position, pending=pending, model=emb.name, dim=emb.dim, ids=ids,
-        keys=[r.mkey or "" for r in mems], n_long=n_long, groups=groups,
-        columns=columns_from_blobs([bytes(r.vector) for r in mems], emb.dim),
-        recency=recency,
-        key_rows=key_rows, task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
+        position=position, pending=pending, model=emb.name, dim=emb.dim,
+        columns=columns_from_blobs([bytes(r.vector) for r in longs], emb.dim), n=len(longs),
+        alive=np.ones(len(longs), dtype=bool), ids=ids, keys=[r.mkey or "" for r in longs],
+        orders=[bytes(r.order_key) if r.order_key is not None else b"" for r in longs],
+        row_of={m: i for i, m in enumerate(ids)}, key_rows=key_rows,
+        groups={k: _Group([r.item_id for r in g], [r.mkey or "" for r in g],
+                          columns_from_blobs([bytes(r.vector) for r in g], emb.dim))
+                for k, g in grouped.items()},
+        task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
         task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),
-        id_set=frozenset(ids), other_models=other)
+        other_models=other)
 
 
 # -- candidates ---------------------------------------------------------------------------
@@ -364,20 +488,33 @@ def _top(scores: NDArray[np.float32], k: int, floor: float) -> NDArray[np.int64]
     return idx[np.argsort(-scores[idx], kind="stable")].astype(np.int64)
 
 
-def _key_matches(idx: PrincipalIndex, query: str) -> dict[int, _Candidate]:
-    """Rows whose key the query is (exact) or names as a run of words."""
-    out: dict[int, _Candidate] = {}
+def _key_matches(idx: PrincipalIndex, query: str, groups: Sequence[_Group]
+                 ) -> dict[str, tuple[_Candidate, int | None]]:
+    """Memories whose key the query is (exact) or names as a run of words:
+    {memory_id: (candidate, long-term row or None)}."""
     words = _norm_key(query).split()
     whole = " ".join(words)
-    for i in idx.key_rows.get(whole, []):
-        out[i] = _Candidate(1.0, "exact key match")
-    for n in range(min(len(words), 6), 0, -1):
-        for s in range(len(words) - n + 1):
-            phrase = " ".join(words[s:s + n])
-            if phrase == whole or (n == 1 and len(phrase) < 4):
-                continue
-            for i in idx.key_rows.get(phrase, []):
-                out.setdefault(i, _Candidate(KEY_NAMED, "the query names its key"))
+    phrases = {" ".join(words[s:s + n]) for n in range(1, min(len(words), 6) + 1)
+               for s in range(len(words) - n + 1)}
+    phrases = {p for p in phrases if p != whole and (" " in p or len(p) >= 4)}
+
+    def cand(key: str) -> _Candidate | None:
+        k = _norm_key(key)
+        if k == whole:
+            return _Candidate(1.0, "exact key match")
+        return _Candidate(KEY_NAMED, "the query names its key") if k in phrases else None
+
+    out: dict[str, tuple[_Candidate, int | None]] = {}
+    for k in (whole, *phrases):
+        for row in idx.key_rows.get(k, []):
+            c = cand(idx.keys[row])
+            if c is not None and idx.alive[row]:
+                out[idx.ids[row]] = (c, row)
+    for g in groups:
+        for m, key in zip(g.ids, g.keys, strict=True):
+            c = cand(key)
+            if c is not None:
+                out[m] = (c, None)
     return out
 
 
@@ -449,30 +586,29 @@ async def _valid_candidates(conn: AsyncConnection, who: reads.Principal,
     """Candidates re-checked against the active view: (rows, relevance by memory id)."""
     cands: dict[str, _Candidate] = {}
     basis = "semantic match" if qvec is not None else "in scope"
-    # Every memory of the current task and session (a slice of the index, R2).
-    for group in (("task", task), ("session", session)):
-        if group[1] is None or (group[0], group[1]) not in idx.groups:
-            continue
-        lo, hi = idx.groups[(group[0], group[1])]
-        sims = idx.scores(qvec, lo, hi) if qvec is not None else np.ones(hi - lo)
-        for j in range(lo, hi):
-            cands[idx.ids[j]] = _Candidate(float(sims[j - lo]), basis)
+    # Every memory of the current task and session: their groups only (R2).
+    groups = [idx.groups[g] for g in (("task", task or ""), ("session", session or ""))
+              if g[1] and g in idx.groups]
+    for g in groups:
+        sims = _scores(g.columns, qvec) if qvec is not None else np.ones(len(g.ids))
+        for m, sim in zip(g.ids, sims, strict=True):
+            cands[m] = _Candidate(float(sim), basis)
+    scores = idx.long_scores(qvec) if qvec is not None else None
     if qtext is not None:
-        for i, c in _key_matches(idx, qtext).items():
-            mid = idx.ids[i]
-            sim = float(idx.columns[:, i] @ qvec) if qvec is not None else 0.0
-            if (i < idx.n_long or mid in cands) and c.relevance > sim:
-                cands[mid] = c
+        for m, (c, row) in _key_matches(idx, qtext, groups).items():
+            have = cands[m].relevance if m in cands else (
+                float(scores[row]) if scores is not None and row is not None else 0.0)
+            if c.relevance > have:
+                cands[m] = c
+
     # Long-term neighbours, best first; fetched in growing rounds when re-checks drop
     # many (a stale index), so a lagging index costs time, never correctness.
-    scores = idx.scores(qvec, 0, idx.n_long) if qvec is not None else None
-
     def ranked(k: int) -> NDArray[np.int64]:
         if scores is None:
-            return idx.recency[:k]
+            return idx.recency()[:k]
         return _top(scores, k, MIN_RELEVANCE)
 
-    lag_ids = [m for m in lag if m not in idx.id_set]
+    lag_ids = [m for m in lag if not idx.has(m)]
     valid: dict[str, Any] = {}
     checked: set[str] = set()
     want = [*cands, *lag_ids]
