@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     info = machine()
     print(f"memledger bench: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, "
-          f"SQLite {info['sqlite']}{', quick sizes' if args.quick else ''}", flush=True)
+          f"SQLite {info['sqlite']}, load average {info['loadavg'][0]}"
+          f"{', quick sizes' if args.quick else ''}", flush=True)
     for name in names:
         try:
             mod = _load(name)
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "wb") as f:
+        info["loadavg_end"] = machine()["loadavg"]
         f.write(orjson.dumps({"machine": info, "quick": bool(args.quick), "modules": modules,
                               "results": everything}, option=orjson.OPT_INDENT_2))
     print(f"results written to {out}")

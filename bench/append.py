@@ -29,6 +29,7 @@ from bench.common import (
     raw_connect,
     result,
     say,
+    settle,
     size,
     sqlite_url,
     workdir,
@@ -106,9 +107,11 @@ async def run() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     with workdir("append") as d:
         say(f"Store.append: {n_batched:,} events, {BATCH} per call")
+        settle()
         secs = await ledger_batched(d / "batched.db", batched_events)
         rows = stored_rows(d / "batched.db")
         assert len(rows) == n_batched
+        settle()
         raw = raw_batched(d / "raw-batched.db", rows, BATCH)
         out.append(result(
             f"append batched ({BATCH}/call, {n_batched // 1000}k events)",
@@ -116,15 +119,21 @@ async def run() -> list[dict[str, Any]]:
             "raw: sqlite3 executemany, same rows and indexes, 1,000/commit; target >= 0.5x"))
 
         say(f"append_one: {TASKS} tasks, {n_single:,} events")
+        settle()
         secs = await ledger_concurrent(d / "single.db", single_events)
         rows = stored_rows(d / "single.db")
         assert len(rows) == n_single
+        settle()
         raw = raw_batched(d / "raw-single.db", rows, 1)
+        settle()
+        # With 64 callers a group commit holds at most 64 events: the raw floor of that.
+        raw64 = raw_batched(d / "raw-64.db", rows, TASKS)
         rate = n_single / secs
         out.append(result(
             f"append_one x{TASKS} concurrent ({n_single:,} events)",
             rate, "events/s", len(rows) / raw, "rows/s",
-            f"raw: sqlite3 one row per commit; target >= 5,000 events/s: "
+            f"raw: sqlite3 one row per commit (at {TASKS} rows per commit: "
+            f"{len(rows) / raw64:,.0f} rows/s); target >= 5,000 events/s: "
             f"{'met' if rate >= 5000 else 'MISSED'}"))
     return out
 

@@ -23,7 +23,7 @@ import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -121,6 +121,7 @@ def machine() -> dict[str, Any]:
                 break
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
             "sqlite": sqlite3.sqlite_version, "platform": platform.platform(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
             "at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
@@ -176,6 +177,11 @@ def copy_sqlite(src: Path, dst: Path) -> None:
 
 
 # -- timing -------------------------------------------------------------------------------
+
+def settle() -> None:
+    """Flush dirty pages before a timed phase, so set-up writes do not bill the next one."""
+    os.sync()
+
 
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
@@ -378,7 +384,7 @@ async def mixed_ledger(dst: Path, n: int, *, seed: int = 3) -> None:
 
 # -- running ------------------------------------------------------------------------------
 
-def main(run: Callable[[], Awaitable[list[dict[str, Any]]]],
+def main(run: Callable[[], Coroutine[Any, Any, list[dict[str, Any]]]],
          argv: Sequence[str] | None = None) -> int:
     """Run one bench module from its `__main__` block and print its table."""
     ap = argparse.ArgumentParser()

@@ -4,9 +4,12 @@ The ledger holds a realistic mix (`bench.common.mixed_events`: ~80% new memories
 thousands of users in four tenants, ~10% corrections of existing slots, ~10% task
 events), appended through `Store.append`. Measured on copies of that one ledger:
 
-- every default projection through `Runner(store).catch_up()` (memories, tasks,
-  erasure, and vectors when present), with the time each projection's `apply` took;
-- the memories projection alone through `Runner(store, [MemoryProjection()])`;
+- the memories projection alone through `Runner(store, [MemoryProjection()]).catch_up()`;
+- then the other projections of the views (tasks, erasure) on the same database: the
+  two add up to `Runner.catch_up()` over memories, tasks and erasure, which runs its
+  projections one after another; the time each `apply` took is in the note;
+- the vectors projection (when present) alone over a prefix of the ledger, beside raw
+  sqlite3 inserting the same vector rows;
 - the baseline: raw `sqlite3` (WAL, synchronous=NORMAL) on the same ledger and the same
   view tables, reading the events in batches of 1,000 and doing the upserts a
   hand-written projector needs (insert each write with its version, mark the version a
@@ -35,6 +38,7 @@ from bench.common import (
     raw_connect,
     result,
     say,
+    settle,
     size,
     sqlite_url,
     workdir,
@@ -217,41 +221,55 @@ async def run() -> list[dict[str, Any]]:
     n_vec = size(20_000, 5_000)
     out: list[dict[str, Any]] = []
     with workdir("projection") as d:
-        for name in ("all.db", "memories.db", "raw-memories.db", "raw-all.db", "vectors.db"):
+        for name in ("views.db", "raw-memories.db", "raw-all.db", "vectors.db"):
             await mixed_ledger(d / name, n)
 
         say("raw sqlite3 baselines")
+        settle()
         raw_mem_s, got = raw_project(d / "raw-memories.db", tasks=False)
         assert got == n
+        settle()
         raw_all_s, got = raw_project(d / "raw-all.db", tasks=True)
         assert got == n
 
+        # `Runner.catch_up()` runs its projections one after another, each from its own
+        # checkpoint: the memories projection alone, then the others on the same
+        # database, add up to one catch_up over all of them.
+        mem = Timed(MemoryProjection())
         say(f"Runner.catch_up, memories projection alone, {n:,} events")
-        mem_s, applied = await catch_up(d / "memories.db", [MemoryProjection()])
+        settle()
+        mem_s, applied = await catch_up(d / "views.db", [mem])
         assert applied == {"memories": n}, applied
         out.append(result(
             f"projection: memories alone ({n // 1000}k events)", n / mem_s, "events/s",
             n / raw_mem_s, "events/s",
-            "raw: sqlite3 reads the batch, inserts versions, marks superseded; target >= 0.5x"))
+            f"raw: sqlite3 reads the batch, inserts versions, marks superseded; apply "
+            f"{mem.seconds:.1f}s, reading and checkpoints {mem_s - mem.seconds:.1f}s; "
+            "target >= 0.5x"))
 
         # The vector index (issue 7) is timed apart, on a prefix: its embedding work has
         # no raw-SQL equivalent and would dominate (and outlast) the 200k run.
-        timed = [Timed(p) for p in default_projections() if p.name != "vectors"]
-        names = ", ".join(p.name for p in timed)
-        say(f"Runner.catch_up, {names}, {n:,} events")
-        all_s, applied = await catch_up(d / "all.db", timed)
+        others = [Timed(p) for p in default_projections()
+                  if p.name not in ("memories", "vectors")]
+        names = ", ".join(["memories", *(p.name for p in others)])
+        say(f"Runner.catch_up, then {', '.join(p.name for p in others)}, {n:,} events")
+        settle()
+        rest_s, applied = await catch_up(d / "views.db", others)
         assert all(v == n for v in applied.values()), applied
+        all_s = mem_s + rest_s
+        timed = [mem, *others]
         shares = ", ".join(f"{p.name} {p.seconds:.1f}s" for p in timed)
-        rest = all_s - sum(p.seconds for p in timed)
+        reading = all_s - sum(p.seconds for p in timed)
         out.append(result(
             f"projection: {names} ({n // 1000}k events)", n / all_s,
             "events/s", n / raw_all_s, "events/s",
             f"raw: memories + task notes/rows in one pass; apply: {shares}; "
-            f"reading and checkpoints {rest:.1f}s; target >= 0.5x"))
+            f"reading and checkpoints {reading:.1f}s; target >= 0.5x"))
 
         if any(p.name == "vectors" for p in default_projections()):
             say(f"Runner.catch_up, vectors alone, first {n_vec:,} events")
             vec_s, rows = await vectors_run(d / "vectors.db", n_vec)
+            settle()
             raw_s = raw_vectors(d / "vectors.db", d / "raw-vectors.db")
             out.append(result(
                 f"projection: vectors alone (first {n_vec // 1000}k events)", n_vec / vec_s,
