@@ -1,7 +1,7 @@
 """Worker daemon benchmarks: end-to-end lag under offered load, sustained ingest.
 
-One `memledger worker` daemon (default settings, SQLite) and a Redis of the bench's
-own (a `redis-server` on a free port, else `MEMLEDGER_REDIS_URL`).
+One `memledger worker --processes 2` daemon (one process projects, one ingests; SQLite)
+and a Redis of the bench's own (a `redis-server` on a free port, else `MEMLEDGER_REDIS_URL`).
 
 - lag: events offered at a fixed rate (500/s, 2,000/s) by one publisher that sends,
   every 10 ms, the events due by then in one message (what an app process publishing
@@ -48,6 +48,8 @@ from ledger.events import derive_memory_id
 from workers.publish import Publisher
 
 TARGET_P99_MS = 250.0
+#: One daemon of two processes: one projects, one ingests (`workers.daemon.roles`).
+DAEMON_ARGS = ("--processes", "2")
 #: The publisher sends what is due every tick, in one message (an app's linger).
 TICK_S = 0.01
 
@@ -219,8 +221,9 @@ def _run() -> list[dict[str, Any]]:
                "MEMLEDGER_FORGET_REGISTER": str(tmp / "ledger.forgets"),
                "MEMLEDGER_LOG_LEVEL": "WARNING"}
         with (tmp / "daemon.log").open("wb") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "replay.cli", "worker"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=log)
+            daemon = subprocess.Popen([sys.executable, "-m", "replay.cli", "worker",
+                                       *DAEMON_ARGS], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=log)
             watcher = _Watcher(db)
             try:
                 with Publisher(url) as pub:  # warm up: schema made, daemon consuming
@@ -254,7 +257,7 @@ def _run() -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
         for rate, lags, missing, rows in lag_runs:
             base_p99 = percentile(_raw_insert(tmp, rows, 1), 99) * 1000
-            note = f"{len(lags)} events, one daemon"
+            note = f"{len(lags)} events, one daemon ({' '.join(DAEMON_ARGS)})"
             if missing:
                 note += f", {missing} not visible within 60 s"
             results.append(result(f"lag p50 at {rate}/s", percentile(lags, 50), "ms",

@@ -438,3 +438,23 @@ async def test_supervisor_exits_when_a_worker_process_dies(
     os.kill(children[0], signal.SIGKILL)
     assert await asyncio.to_thread(d.proc.wait, 60) == 1
     assert "worker_process_died" in d.log.read_text()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_daemon_purges_tasks_past_retention(
+        env: dict[str, str], daemons: Callable[..., Daemon], ledger: Store) -> None:
+    """The daemon's sweep purges a closed task past its retain_until (R6, R28)."""
+    from tests.factories import event
+
+    await ledger.append([parse_event(e) for e in (
+        event("task.opened", {"task_key": "T900", "namespace": ["shop-a", "u7"]}),
+        event("task.closed", {"task_key": "T900", "retain_until": "2026-09-21T00:00:00Z"},
+              source=src(at="2026-09-20T12:00:00+08:00")))])
+    d = daemons(env)
+    await caught_up(ledger, 3, 60, d)
+    async with ledger.read() as conn:
+        types = [r[0] for r in (await conn.execute(
+            select(t.events.c.type).order_by(t.events.c.position))).all()]
+        purged = (await conn.execute(select(t.tasks_view.c.purged))).scalar()
+    assert types[-1] == "task.purged" and purged
+    assert d.stop() == 0

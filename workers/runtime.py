@@ -26,6 +26,8 @@ from workers.wake import WakeSender, broker_sender
 log = structlog.get_logger("memledger.workers")
 
 DEFAULT_SWEEP_S = 2.0
+#: How often the sweeping process purges closed tasks past their retention (R6, R28).
+RETENTION_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Runtime:
         self.store.on_commit(self._committed)
         self.sweeps = sweep and self.projector is not None
         self.last_sweep: float | None = None
-        self._sweep_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Open the store (tolerating an unreachable database) and start the sweep."""
@@ -86,8 +88,32 @@ class Runtime:
                         note="will retry on every message and sweep")
         if self.sweeps:
             assert self.projector is not None
-            self._sweep_task = asyncio.get_running_loop().create_task(
-                sweep_forever(self.projector, self.settings.sweep_interval, self._swept))
+            loop = asyncio.get_running_loop()
+            self._tasks.append(loop.create_task(
+                sweep_forever(self.projector, self.settings.sweep_interval, self._swept)))
+            self._tasks.append(loop.create_task(self._retention_forever()))
+
+    async def _retention_forever(self) -> None:
+        """Append `task.purged` for closed tasks past `retain_until`, every minute."""
+        try:
+            from projections.retention import sweep_retention
+        except ImportError:  # retention is optional until its module exists
+            return
+        assert self.projector is not None
+        while True:
+            try:
+                # Read tasks_view caught up: a task closed a moment ago is seen, and one
+                # purged a moment ago is not purged again.
+                await self.projector.request()
+                purged = await sweep_retention(self.store)
+                if purged:
+                    log.info("retention_purged", tasks=len(purged))
+            except MemledgerError as e:
+                # E.g. another daemon purged the same task first: the next round skips it.
+                log.info("retention_skipped", error=str(e)[:300])
+            except Exception:
+                log.exception("retention_failed")
+            await asyncio.sleep(RETENTION_EVERY_S)
 
     def _swept(self, at: float) -> None:
         self.last_sweep = at
@@ -105,10 +131,10 @@ class Runtime:
 
     async def close(self) -> None:
         """Stop the sweep and the projector, flush the last wake-up, close the store."""
-        if self._sweep_task is not None:
-            self._sweep_task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sweep_task
+                await task
         if self.projector is not None:
             await self.projector.close()
         with contextlib.suppress(Exception):
