@@ -197,8 +197,10 @@ async def story(folder: Path, workers: bool) -> None:
 
     step("operator: restore the backup taken before the forget")
     rc, out = cli("restore", str(backup), "--force")
-    check(rc == 0, f"restored; forgets reapplied from the register: "
-          f"{out.get('reapplied') if out else '?'}")
+    reapplied = (out or {}).get("reapplied") or {}
+    check(rc == 0, f"restored; {reapplied.get('entries', '?')} forget(s) in the register, "
+          f"{len(reapplied.get('appended', []))} recorded after the backup reapplied, "
+          f"{reapplied.get('payloads_erased', '?')} payload(s) erased again")
     async with MemoryLedger(db, register_path=register) as ml:
         lang = await ml.get(U7, PREFS, "reply_language")
         recalled = await ml.recall(U7, query="reply language")
