@@ -37,10 +37,12 @@ class Projector:
     """Runs every projection of a store in passes, one pass at a time."""
 
     def __init__(self, store: Store, runner: Runner | None = None, *,
-                 min_interval: float = MIN_PASS_INTERVAL_S) -> None:
+                 min_interval: float = MIN_PASS_INTERVAL_S, share: bool = False) -> None:
         self.store = store
         self.runner = runner or Runner(store)
         self.min_interval = min_interval
+        #: This process ingests too: leave it as much time between passes as a pass took.
+        self.share = share
         #: The head every projection had reached at the end of the last pass.
         self.reached = 0
         self.passes = 0
@@ -79,10 +81,12 @@ class Projector:
         ended = took = 0.0
         while True:
             await self._dirty.wait()
-            # Leave room between passes, at least as long as the last pass took: under a
-            # stream of commits each pass then takes many events at once, and the appends
-            # get the (SQLite) write lock, and this process's loop, at least half the time.
-            pause = ended + max(self.min_interval, took) - time.monotonic()
+            # Leave room between passes: under a stream of commits each pass then takes
+            # many events at once, and appends get the (SQLite) write lock in between. When
+            # this process ingests too, the pause is as long as the last pass, so its
+            # appends get the lock, and the process's one loop, at least half the time.
+            rest = max(self.min_interval, took) if self.share else self.min_interval
+            pause = ended + rest - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)
             self._dirty.clear()

@@ -72,7 +72,8 @@ class Runtime:
         self.broker = broker
         self.store = Store(settings.db_url, register_path=settings.register_path)
         self.append = AppendBatcher(self.store)
-        self.projector = Projector(self.store) if settings.projects else None
+        self.projector = (Projector(self.store, share=settings.ingests) if settings.projects
+                          else None)
         self.wakes = WakeSender(broker_sender(broker), label=safe_url(broker.url))
         self.store.on_commit(self._committed)
         self.sweeps = sweep and self.projector is not None
