@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import sqlite3
 import sys
@@ -181,6 +182,7 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
         await store.close()
     say(f"{label}: raw sqlite3 + numpy, {raw_n} queries")
     raw, product = raw_latencies(path, emb, asks[:raw_n])
+    load = os.getloadavg()[0]
     p99 = percentile(warm, 99)
     target = f"; target p99 < 30 ms: {'met' if p99 < 30 else 'MISSED'}" if users == 1 else ""
     out.append(result(f"recall p50, {n // 1000}k memories / {users:,} user(s)",
@@ -190,7 +192,8 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
                       f"{percentile(product, 50):.2f} ms)"))
     out.append(result(f"recall p99, {n // 1000}k memories / {users:,} user(s)", p99, "ms",
                       percentile(raw, 99), "ms",
-                      f"{len(warm):,} warm recalls{target}"))
+                      f"{len(warm):,} warm recalls{target}; load average "
+                      f"{load:.1f} on {os.cpu_count()} CPUs"))
     out.append(result(f"first recall of a user (cold matrix), {users:,} user(s)",
                       percentile(cold, 50), "ms", percentile(raw, 50), "ms",
                       f"p50 over {len(cold)}; loads the principal's vectors once "

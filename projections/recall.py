@@ -461,8 +461,11 @@ async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
     ids = [r.item_id for r in longs]
     return PrincipalIndex(
         position=position, pending=pending, model=emb.name, dim=emb.dim,
-        columns=columns_from_blobs([bytes(r.vector) for r in longs], emb.dim), n=len(longs),
-        alive=np.ones(len(longs), dtype=bool), ids=ids, keys=[r.mkey or "" for r in longs],
+        # Room for 1/16 more rows, so new writes are appended without copying the matrix.
+        columns=columns_from_blobs([bytes(r.vector) for r in longs], emb.dim,
+                                   capacity=len(longs) + max(64, len(longs) // 16)),
+        n=len(longs), alive=np.arange(len(longs) + max(64, len(longs) // 16)) < len(longs),
+        ids=ids, keys=[r.mkey or "" for r in longs],
         orders=[bytes(r.order_key) if r.order_key is not None else b"" for r in longs],
         row_of={m: i for i, m in enumerate(ids)}, key_rows=key_rows,
         groups={k: _Group([r.item_id for r in g], [r.mkey or "" for r in g],
