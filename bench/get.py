@@ -140,7 +140,7 @@ def time_raw(path: Path, lookups: Sequence[Lookup]) -> list[float]:
 async def run() -> list[dict[str, Any]]:
     """p50/p99 of reads.get and MemoryLedger.get beside LangGraph SqliteStore.get."""
     n = size(100_000, 10_000)
-    samples = size(10_000, 3_000)
+    samples = size(5_000, 2_000)
     rng = random.Random(5)
     with no_gc():
         events = simple_writes(n, users=USERS, tenant=TENANT)

@@ -14,7 +14,8 @@ events), appended through `Store.append`. Measured on copies of that one ledger:
   view tables, reading the events in batches of 1,000 and doing the upserts a
   hand-written projector needs (insert each write with its version, mark the version a
   correction supersedes, insert task notes and upsert the task row, advance the
-  checkpoint in the same transaction). Target: >= 0.5x.
+  checkpoint in the same transaction), in one pass. Its memories-only figure is that
+  pass minus the time of its task statements. Target: >= 0.5x.
 """
 
 from __future__ import annotations
@@ -100,9 +101,11 @@ def _source(r: Any) -> bytes:
     return encode_json({**src, "actor": r[3], "position": r[0]})
 
 
-def raw_project(db: Path, *, tasks: bool) -> tuple[float, int]:
-    """Seconds for raw sqlite3 to project every event (memories, and tasks if asked)."""
-    name = "raw-all" if tasks else "raw-memories"
+def raw_project(db: Path) -> tuple[float, float, int]:
+    """Raw sqlite3 projecting every event in one pass: seconds in all, seconds of the
+    task statements among them, and the number of events."""
+    name = "raw"
+    task_s = 0.0
     with contextlib.closing(raw_connect(db)) as conn:
         conn.execute("INSERT INTO checkpoints (name, position) VALUES (?, 0)", (name,))
         ins_mem, ins_mark = insert_sql(t.mem_versions), insert_sql(t.mem_marks)
@@ -150,13 +153,14 @@ def raw_project(db: Path, *, tasks: bool) -> tuple[float, int]:
                 conn.executemany(ins_mark, marks)
                 conn.executemany(SUPERSEDE, supersede)
                 conn.executemany(ins_mem, mem_rows)
-                if tasks:
-                    _raw_tasks(conn, rows, ins_note)
+                t0 = time.perf_counter()
+                _raw_tasks(conn, rows, ins_note)
+                task_s += time.perf_counter() - t0
                 after = rows[-1][0]
                 n += len(rows)
                 conn.execute("UPDATE checkpoints SET position = ? WHERE name = ?", (after, name))
                 conn.execute("COMMIT")
-    return c.seconds, n
+    return c.seconds, task_s, n
 
 
 def _raw_tasks(conn: Any, rows: Sequence[Any], ins_note: str) -> None:
@@ -218,19 +222,18 @@ def raw_vectors(src: Path, dst: Path) -> float:
 async def run() -> list[dict[str, Any]]:
     """Projection throughput, issue-3 projections and memories alone, beside raw sqlite3."""
     n = size(200_000, 20_000)
-    n_vec = size(20_000, 5_000)
+    n_vec = size(10_000, 3_000)
     out: list[dict[str, Any]] = []
     with workdir("projection") as d:
-        for name in ("views.db", "raw-memories.db", "raw-all.db", "vectors.db"):
+        for name in ("views.db", "raw.db", "vectors.db"):
             await mixed_ledger(d / name, n)
 
-        say("raw sqlite3 baselines")
+        say("raw sqlite3 baseline")
         settle()
-        raw_mem_s, got = raw_project(d / "raw-memories.db", tasks=False)
+        raw_all_s, raw_task_s, got = raw_project(d / "raw.db")
         assert got == n
-        settle()
-        raw_all_s, got = raw_project(d / "raw-all.db", tasks=True)
-        assert got == n
+        # The memories-only baseline is that pass without its task statements.
+        raw_mem_s = raw_all_s - raw_task_s
 
         # `Runner.catch_up()` runs its projections one after another, each from its own
         # checkpoint: the memories projection alone, then the others on the same
@@ -243,7 +246,8 @@ async def run() -> list[dict[str, Any]]:
         out.append(result(
             f"projection: memories alone ({n // 1000}k events)", n / mem_s, "events/s",
             n / raw_mem_s, "events/s",
-            f"raw: sqlite3 reads the batch, inserts versions, marks superseded; apply "
+            f"raw: sqlite3 reads the batch, inserts versions, marks superseded (the one pass "
+            "less its task statements); apply "
             f"{mem.seconds:.1f}s, reading and checkpoints {mem_s - mem.seconds:.1f}s; "
             "target >= 0.5x"))
 
