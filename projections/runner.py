@@ -22,7 +22,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json
+from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json, ns_path
 from ledger.store import Store, StoredEvent, Tombstone, pairs_in
 from projections.memory import Mark, WriteFact, fact_from_row, marks_of, resolve_slot, write_fact
 from projections.tasks import Note, note_body, summarize
@@ -238,6 +238,47 @@ class ErasureProjection:
             upto=batch[-1].position) if batch[0].position <= ts.position]
         for ts in tombs:
             await erase_payloads(conn, ts)
+            await erase_dead_letters(conn, ts)
+
+
+def dead_letter_covered(obj: Any, ts: Tombstone) -> bool:
+    """Does a rejected event (as received) name what a tombstone covers?
+
+    A dead letter never became a memory, so it has no place in source order: any that
+    names the covered target is erased, whatever its time (the cautious reading).
+    """
+    if not isinstance(obj, dict) or obj.get("tenant") != ts.tenant:
+        return False
+    d = obj.get("data")
+    if not isinstance(d, dict):
+        return False
+    ns = d.get("namespace") or d.get("namespace_prefix")
+    path = ns_path([str(p) for p in ns]) if isinstance(ns, list) else None
+    if ts.kind == "memory_id":
+        return ts.memory_id in (d.get("memory_id"), d.get("supersedes"))
+    if ts.kind == "key":
+        return path == ts.ns_path and d.get("key") == ts.mkey
+    if ts.kind == "prefix":
+        return path is not None and path.startswith(ts.ns_path or "\x00")
+    return d.get("task_key") == ts.task_key
+
+
+async def erase_dead_letters(conn: AsyncConnection, ts: Tombstone) -> int:
+    """Null the stored payload of dead letters that name what a tombstone covers."""
+    dl = t.dead_letters.c
+    rows = (await conn.execute(select(dl.id, dl.payload).where(
+        dl.tenant == ts.tenant, dl.payload.is_not(None)))).all()
+    hit = []
+    for r in rows:
+        try:
+            obj = orjson.loads(r.payload)
+        except orjson.JSONDecodeError:
+            continue
+        if dead_letter_covered(obj, ts):
+            hit.append(r.id)
+    for chunk in _chunks(hit, 500):
+        await conn.execute(update(t.dead_letters).where(dl.id.in_(chunk)).values(payload=None))
+    return len(hit)
 
 
 async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:

@@ -259,3 +259,27 @@ async def test_no_interleaving_returns_forgotten_content(tmp_path: Path, seed: i
             await fresh.close()
     finally:
         await store.close()
+
+
+async def test_forget_reaches_dead_letters(store: Store) -> None:
+    """A rejected event kept as a dead letter loses its content when a forget covers what
+    it names, whether the forget came before or after it (R20)."""
+    from ledger.errors import ValidationError
+    from workers.ingest import record_dead_letters
+    bad = write("lang", "KIWI-before", source=src(at=at(1)))
+    bad["data"]["colour"] = "red"
+    await record_dead_letters(store, [(bad, ValidationError("data.colour", "unknown"))])
+    await store.append_one(parse_event(forget(2, namespace=NS, key="lang")))
+    await Runner(store).catch_up()
+    late = write("lang", "KIWI-after", source=src(at=at(3)))
+    late["data"]["colour"] = "blue"
+    await record_dead_letters(store, [(late, ValidationError("data.colour", "unknown"))])
+    other = write("style", "KIWI-kept", source=src(at=at(3)))
+    other["data"]["colour"] = "green"
+    await record_dead_letters(store, [(other, ValidationError("data.colour", "unknown"))])
+    async with store.read() as conn:
+        payloads = (await conn.execute(select(t.dead_letters.c.payload).order_by(
+            t.dead_letters.c.id))).scalars().all()
+    assert payloads[0] is None
+    assert payloads[1] is None
+    assert b"KIWI-kept" in bytes(payloads[2])

@@ -27,6 +27,7 @@ from ledger.errors import ValidationError
 from ledger.events import Event, encode_json
 from ledger.store import Store, now_iso
 from ledger.validation import parse_event
+from projections.runner import dead_letter_covered
 from workers.policy import (
     MAX_DEFERRALS,
     Disposition,
@@ -196,7 +197,11 @@ async def record_dead_letters(store: Store, items: Sequence[tuple[Any, BaseExcep
         if store.dialect == "postgresql":
             # Two daemons recording the same redelivered message must not both insert.
             await conn.execute(text("SELECT pg_advisory_xact_lock(7231006)"))
+        tombs = await store.tombstones(conn, {r["tenant"] for r in rows if r["tenant"]})
         for row in rows:
+            if row["payload"] is not None and any(
+                    dead_letter_covered(orjson.loads(row["payload"]), ts) for ts in tombs):
+                row["payload"] = None  # a forget already covers what it names (R20)
             if not await _exists(conn, row):
                 await conn.execute(t.dead_letters.insert().values(**row))
                 written += 1
