@@ -73,7 +73,7 @@ class MemoryLedger:
         from projections import reads
 
         who = reads.Principal.parse(principal)
-        async with self.store.read() as conn:
+        async with self.store.read_once() as conn:
             return await reads.get(conn, who, list(namespace), key, now_us=_now_us(),
                                    task=task, session=session)
 

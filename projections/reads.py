@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import and_, bindparam, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -104,18 +104,32 @@ def memory_item(r: Any) -> dict[str, Any]:
     }
 
 
+def _get_statement() -> Any:
+    mv = t.mem_versions.c
+    return select(t.mem_versions).where(
+        mv.tenant == bindparam("tenant"), mv.ns_path == bindparam("ns"),
+        mv.mkey == bindparam("key"), mv.status == "active",
+        or_(mv.layer == "long",
+            and_(mv.layer == "task", mv.task_key == bindparam("task")),
+            and_(mv.layer == "session", mv.session_id == bindparam("session"))),
+        or_(mv.expires_us.is_(None), mv.expires_us > bindparam("now")),
+        not_forgotten())
+
+
+#: Built once: `get` is the hottest read, and building the expression per call cost more
+#: than running it. A NULL task or session compares unequal to everything in SQL.
+_GET = _get_statement()
+
+
 async def get(conn: AsyncConnection, who: Principal, namespace: list[str], key: str, *,
               now_us: int, task: str | None = None, session: str | None = None
               ) -> dict[str, Any]:
     """The active value of a key for the principal: session beats task beats long-term."""
     if not who.owns(namespace):
         return {"found": False}  # says nothing about whether it exists
-    mv = t.mem_versions.c
-    q = select(t.mem_versions).where(
-        mv.tenant == who.tenant, mv.ns_path == ns_path(namespace), mv.mkey == key,
-        mv.status == "active", layer_filter(task, session), not_expired(now_us),
-        not_forgotten())
-    rows = (await conn.execute(q)).all()
+    rows = (await conn.execute(_GET, {
+        "tenant": who.tenant, "ns": ns_path(namespace), "key": key, "task": task,
+        "session": session, "now": now_us})).all()
     if not rows:
         return {"found": False}
     best = min(rows, key=lambda r: LAYER_RANK[r.layer])

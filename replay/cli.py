@@ -202,7 +202,7 @@ async def cmd_get(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
         await store.open()
-        async with store.read() as conn:
+        async with store.read_once() as conn:
             res = await reads.get(conn, who, args.namespace.split("/"), args.key,
                                   now_us=now_us(), task=args.task, session=args.session)
         out(res)
