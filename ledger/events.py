@@ -133,6 +133,10 @@ class Event:
     source: Source
     data: Mapping[str, Any]
     expected_version: int | None = None
+    # Derived values (encoding, digest, order, slot) computed once: an event is a value,
+    # so they never change; `dataclasses.replace` starts a fresh cache.
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False,
+                                  repr=False, hash=False)
 
     # -- wire form ---------------------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
@@ -151,20 +155,29 @@ class Event:
 
     def encode(self) -> bytes:
         """Canonical JSON of the whole event."""
-        return encode_json(self.to_wire())
+        enc: bytes | None = self._memo.get("enc")
+        if enc is None:
+            enc = self._memo["enc"] = encode_json(self.to_wire())
+        return enc
 
     @property
     def content_digest(self) -> str:
         """Digest of the canonical event: equal content means equal digest."""
-        return digest(self.encode())
+        dig: str | None = self._memo.get("dig")
+        if dig is None:
+            dig = self._memo["dig"] = digest(self.encode())
+        return dig
 
     # -- ordering ----------------------------------------------------------------------
     @property
     def order(self) -> bytes:
         """The source order as bytes whose byte order equals the contract's tuple order."""
-        return order_key(
-            self.source.at_us, self.source.seq or 0, self.source.id, self.idempotency_key
-        )
+        key: bytes | None = self._memo.get("order")
+        if key is None:
+            key = self._memo["order"] = order_key(
+                self.source.at_us, self.source.seq or 0, self.source.id,
+                self.idempotency_key)
+        return key
 
     # -- typed accessors ---------------------------------------------------------------
     @property
@@ -204,9 +217,12 @@ class Event:
         """The slot id of a write: tenant, namespace, key, layer and task or session."""
         if not self.is_write:
             return None
-        d = self.data
-        scope = d.get("task_key") or d.get("session_id") or ""
-        return slot_id(self.tenant, ns_path(d["namespace"]), d["key"], d["layer"], scope)
+        if "slot" not in self._memo:
+            d = self.data
+            scope = d.get("task_key") or d.get("session_id") or ""
+            self._memo["slot"] = slot_id(self.tenant, ns_path(d["namespace"]), d["key"],
+                                         d["layer"], scope)
+        return str(self._memo["slot"])
 
 
 def slot_id(tenant: str, namespace_path: str, key: str, layer: str, scope: str) -> str:
