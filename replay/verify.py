@@ -41,7 +41,7 @@ from ledger.store import (
     tombstone_from_row,
     tombstone_of,
 )
-from projections.runner import Runner
+from projections.runner import Runner, dead_letter_covered
 from replay.rebuild import register_events
 from replay.rows import FORGETS, by_tenant, covering, row_dict, stream_rows
 
@@ -404,6 +404,26 @@ async def _check_payloads_erased(conn: AsyncConnection, store: Store,
     return n
 
 
+async def _check_dead_letters_erased(conn: AsyncConnection, tombs: list[Tombstone],
+                                     rep: Report) -> int:
+    """Dead letters that name a covered target must hold no payload."""
+    dl = t.dead_letters.c
+    grouped = by_tenant(tombs)
+    rows = (await conn.execute(select(dl.id, dl.tenant, dl.payload).where(
+        dl.payload.is_not(None), dl.tenant.in_(sorted(grouped) or [""])))).all()
+    for r in rows:
+        try:
+            obj = orjson.loads(r.payload)
+        except orjson.JSONDecodeError:
+            continue
+        for ts in grouped.get(r.tenant, []):
+            if dead_letter_covered(obj, ts):
+                rep.add("forgotten", place="dead_letters.payload", tombstone=ts.position,
+                        dead_letter=int(r.id))
+                break
+    return len(rows)
+
+
 def _sqlite_files(url: str) -> list[Path]:
     path = url.split(":///", 1)[1].split("?", 1)[0]
     return [Path(path + suffix) for suffix in ("", "-wal")]
@@ -425,6 +445,7 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
                        key=lambda x: x.position)
         checked = await _check_views_erased(conn, tombs, rep)
         checked["payloads_still_held"] = await _check_payloads_erased(conn, store, tombs, rep)
+        checked["dead_letters"] = await _check_dead_letters_erased(conn, tombs, rep)
         ev = t.events.c
         for e in register:
             row = (await conn.execute(select(ev.position).where(

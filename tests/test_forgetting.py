@@ -283,3 +283,26 @@ async def test_forget_reaches_dead_letters(store: Store) -> None:
     assert payloads[0] is None
     assert payloads[1] is None
     assert b"KIWI-kept" in bytes(payloads[2])
+
+
+async def test_verify_forgotten_checks_dead_letters(store: Store) -> None:
+    """`replay verify --forgotten` reports a dead letter still holding covered content."""
+    from sqlalchemy import update
+
+    from replay.verify import verify_forgotten
+
+    bad = write("lang", "KIWI", source=src(at=at(1)))
+    await store.append_one(parse_event(forget(2, namespace=NS, key="lang")))
+    await Runner(store).catch_up()
+    assert (await verify_forgotten(store))["ok"] is True
+    async with store.view_write() as conn:
+        import orjson
+        await conn.execute(t.dead_letters.insert().values(
+            received_at="2026-12-01T00:00:00Z", tenant="shop-a", idempotency_key="x",
+            error="put back by hand", payload=orjson.dumps(bad)))
+    report = await verify_forgotten(store)
+    assert report["ok"] is False
+    assert report["problems"][0]["place"] == "dead_letters.payload"
+    async with store.view_write() as conn:
+        await conn.execute(update(t.dead_letters).values(payload=None))
+    assert (await verify_forgotten(store))["ok"] is True
