@@ -198,6 +198,7 @@ mem_marks = Table(
     Column("by_id", String(256), nullable=True),
     # A `supersedes` written by a candidate counts only once that candidate is confirmed.
     Column("via_candidate", String(256), nullable=True),
+    Column("owner", Text, nullable=True),
     PrimaryKeyConstraint("position", "target", "kind"),
     Index("ix_marks_target", "tenant", "target"),
     Index("ix_marks_via", "tenant", "via_candidate"),

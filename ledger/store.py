@@ -40,6 +40,7 @@ from ledger.events import (
     USER_KINDS,
     Event,
     Source,
+    derive_memory_id,
     digest,
     encode_json,
     ns_path,
@@ -561,7 +562,10 @@ class _Appender:
         evs = [e for r in group for e in r.events]
         keys = sorted({(e.tenant, e.idempotency_key) for e in evs})
         tenants = sorted({e.tenant for e in evs})
-        mids = sorted({(e.tenant, e.memory_id) for e in evs if e.memory_id})
+        # A derived id needs no lookup: it is unique when its idempotency key is, and no
+        # explicit id may take that form (validation). Targets of marks are looked up.
+        mids = sorted({(e.tenant, e.memory_id) for e in evs if e.memory_id and not (
+            e.is_write and e.memory_id == derive_memory_id(e.tenant, e.idempotency_key))})
         tks = sorted({(e.tenant, e.task_key) for e in evs if e.task_key})
         c = self.conn
         ev = t.events.c

@@ -7,6 +7,7 @@ are reported by kind and place, never echoed (R23).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final
 
 import orjson
@@ -29,6 +30,9 @@ from ledger.events import (
 )
 from ledger.secrets import find_secrets
 
+#: Derived memory ids (`derive_memory_id`) have this form and no explicit id may take it,
+#: so a derived id is unique exactly when its idempotency key is.
+DERIVED_ID: Final = re.compile(r"^m_[0-9a-f]{24}$")
 MAX_VALUE_BYTES: Final = 16 * 1024
 MAX_TEXT_CHARS: Final = 16 * 1024
 MAX_ID_CHARS: Final = 256
@@ -245,6 +249,10 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         )
     _owner_check(source.kind, actor, ns, "data.namespace")
     memory_id = _identifier(d, "memory_id", "data", required=False)
+    if memory_id is not None and DERIVED_ID.match(memory_id) and \
+            memory_id != derive_memory_id(tenant, idem):
+        raise _fail("data.memory_id", "ids of the form m_ + 24 hex digits are reserved for "
+                    "derived ids; omit memory_id or choose another form")
     scope = _identifier(d, "scope", "data", required=False)
     supersedes = _identifier(d, "supersedes", "data", required=corrected)
     expires_at = _timestamp(d, "expires_at", "data", required=False)

@@ -14,7 +14,15 @@ from typing import Any
 
 import orjson
 
-from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, encode_json, parse_rfc3339, to_us
+from ledger.events import (
+    CANDIDATE_KINDS,
+    MEMORY_WRITES,
+    NS_SEP,
+    USER_KINDS,
+    encode_json,
+    parse_rfc3339,
+    to_us,
+)
 from ledger.store import StoredEvent, Tombstone
 
 
@@ -54,6 +62,9 @@ class Mark:
     order: bytes
     by_id: str | None = None
     via_candidate: str | None = None
+    #: For a `supersedes` written on a user's own behalf: the namespace path prefix
+    #: `[tenant, user]` the target must lie under, or the mark does nothing (R24).
+    owner: str | None = None
 
 
 def source_json(se: StoredEvent) -> bytes:
@@ -95,8 +106,11 @@ def marks_of(se: StoredEvent) -> list[Mark]:
         if not se.supersedes or not se.memory_id:
             return []
         candidate = se.layer == "long" and se.source.kind in CANDIDATE_KINDS
+        owner = None
+        if se.source.kind in USER_KINDS and se.ns_path:
+            owner = NS_SEP.join(se.ns_path.split(NS_SEP)[:2]) + NS_SEP
         return [Mark(se.position, se.tenant, se.supersedes, "superseded", se.order_key,
-                     se.memory_id, se.memory_id if candidate else None)]
+                     se.memory_id, se.memory_id if candidate else None, owner)]
     ev = se.event
     if ev is None:
         return []
@@ -124,7 +138,10 @@ def resolve_slot(writes: Sequence[WriteFact], marks: Sequence[Mark],
     """
     confirm_order: dict[str, bytes] = {}
     explicit: dict[str, Mark] = {}
+    paths = {w.memory_id: w.ns_path for w in writes}
     for m in sorted(marks, key=lambda m: m.order):
+        if m.owner is not None and not paths.get(m.target, "").startswith(m.owner):
+            continue  # a user's `supersedes` never reaches another user's memory
         if m.kind == "confirmed":
             confirm_order.setdefault(m.target, m.order)
         elif m.via_candidate is None or m.via_candidate in confirmed:

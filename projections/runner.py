@@ -104,7 +104,7 @@ class MemoryProjection:
             q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
             for r in (await conn.execute(q)).all():
                 m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                         r.via_candidate)
+                         r.via_candidate, r.owner)
                 slot_marks.setdefault((m.tenant, m.target), []).append(m)
                 if m.via_candidate:
                     vias.add((m.tenant, m.via_candidate))
@@ -133,7 +133,8 @@ class MemoryProjection:
 
 def _mark_row(m: Mark) -> dict[str, Any]:
     return {"position": m.position, "tenant": m.tenant, "target": m.target, "kind": m.kind,
-            "order_key": m.order, "by_id": m.by_id, "via_candidate": m.via_candidate}
+            "order_key": m.order, "by_id": m.by_id, "via_candidate": m.via_candidate,
+            "owner": m.owner}
 
 
 async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:

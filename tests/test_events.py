@@ -234,3 +234,11 @@ def test_content_digest_ignores_key_order() -> None:
     b = orjson.loads(encode_json(a))
     b["data"]["value"] = {"y": 2, "x": 1}
     assert parse_event(a).content_digest == parse_event(b).content_digest
+
+
+def test_derived_id_form_is_reserved() -> None:
+    """An explicit memory_id may not take the derived form, so derived ids never collide."""
+    msg = reject(write("k", 1, memory_id="m_" + "0" * 24))
+    assert "reserved for derived ids" in msg
+    ev = parse_event(write("k", 1, idem="k9"))
+    assert parse_event(ev.to_wire()) == ev  # its own derived id is accepted back

@@ -331,3 +331,15 @@ async def test_two_runners_never_double_apply(db_url: str, register_path: str,
     finally:
         await a.close()
         await b.close()
+
+
+async def test_user_supersedes_cannot_reach_another_users_memory(store: Store) -> None:
+    """A user's `supersedes` naming another user's memory id does nothing to it (R24)."""
+    await store.append_one(parse_event(write("lang", "zh", memory_id="M31",
+                                             source=src(at=at(1)))))
+    await store.append_one(parse_event(write(
+        "lang", "en", user="u8", memory_id="X1", supersedes="M31",
+        source=src(at=at(2)))))
+    await project(store)
+    got = await get(store, "lang")
+    assert (got["memory_id"], got["status"]) == ("M31", "active")
