@@ -85,7 +85,7 @@ class MemoryProjection:
         for se in forgets:
             ts = next((x for x in tombs if x.position == se.position), None)
             if ts is not None:
-                slots.update(await _covered_slots(conn, ts))
+                slots.update(await covered_slots(conn, ts))
         if not slots:
             return
         slot_list = sorted(slots)
@@ -137,7 +137,8 @@ def _mark_row(m: Mark) -> dict[str, Any]:
             "owner": m.owner}
 
 
-async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
+async def covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
+    """The slots of `mem_versions` a tombstone reaches."""
     mv = t.mem_versions.c
     q = select(mv.slot).where(mv.tenant == ts.tenant)
     if ts.kind == "memory_id":
@@ -145,7 +146,7 @@ async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
     elif ts.kind == "key":
         q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
     elif ts.kind == "prefix":
-        q = q.where(_prefix_match(mv.ns_path, ts.ns_path or ""))
+        q = q.where(_prefix_match(mv.ns_path, ts.ns_path or "\x00"))
     else:
         q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
     return {r[0] for r in (await conn.execute(q.distinct())).all()}

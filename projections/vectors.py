@@ -37,6 +37,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import Store, StoredEvent, Tombstone
 from projections.embedding import Embedder, get_embedder
 from projections.reads import not_forgotten, prefix_match
+from projections.runner import covered_slots
 
 EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
 #: `meta` row: events after this position may have been indexed from views that lagged.
@@ -204,7 +205,7 @@ async def slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: 
     mv = t.mem_versions.c
     out = set(slots)
     for ts in tombs:
-        out.update(await _covered_slots(conn, ts))
+        out.update(await covered_slots(conn, ts))
     for tenant, chunk in _by_tenant(mem_ids):
         q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
         out.update(r[0] for r in (await conn.execute(q)).all())
@@ -354,18 +355,6 @@ def _covered_entries(ts: Tombstone) -> Any:
             t.mem_versions.c.mkey == ts.mkey)))
 
 
-async def _covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
-    mv = t.mem_versions.c
-    q = select(mv.slot).where(mv.tenant == ts.tenant)
-    if ts.kind == "memory_id":
-        q = q.where(mv.memory_id == ts.memory_id)
-    elif ts.kind == "key":
-        q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
-    elif ts.kind == "prefix":
-        q = q.where(prefix_match(mv.ns_path, ts.ns_path or "\x00"))
-    else:
-        q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
-    return {r[0] for r in (await conn.execute(q.distinct())).all()}
 
 
 async def _source_views_position(conn: AsyncConnection) -> int:
