@@ -189,41 +189,27 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _principal_store(args: argparse.Namespace) -> Store:
-    return open_store(args)
+def open_ledger(args: argparse.Namespace) -> Any:
+    """The SDK facade on the store named by the arguments (principal-scoped reads)."""
+    from ledger.client import MemoryLedger
+
+    return MemoryLedger(args.db, register_path=getattr(args, "forget_register", None))
 
 
 @command("get")
 async def cmd_get(args: argparse.Namespace) -> int:
     """The active value of a key for a principal."""
-    from projections import reads
-
-    who = reads.Principal.parse(args.as_)
-    store = open_store(args)
-    try:
-        await store.open()
-        async with store.read_once() as conn:
-            res = await reads.get(conn, who, args.namespace.split("/"), args.key,
-                                  now_us=now_us(), task=args.task, session=args.session)
-        out(res)
-    finally:
-        await store.close()
+    async with open_ledger(args) as ml:
+        out(await ml.get(args.as_, args.namespace.split("/"), args.key, task=args.task,
+                         session=args.session))
     return 0
 
 
 @command("tasks")
 async def cmd_tasks(args: argparse.Namespace) -> int:
     """The principal's task summaries."""
-    from projections import reads
-
-    who = reads.Principal.parse(args.as_)
-    store = open_store(args)
-    try:
-        await store.open()
-        async with store.read() as conn:
-            out({"tasks": await reads.tasks(conn, who, include_closed=args.all)})
-    finally:
-        await store.close()
+    async with open_ledger(args) as ml:
+        out({"tasks": await ml.tasks(args.as_, include_closed=args.all)})
     return 0
 
 
