@@ -500,11 +500,14 @@ class Store:
             return int((await c.execute(select(func.max(t.events.c.position)))).scalar() or 0)
 
     async def read_events(self, conn: AsyncConnection, after: int, limit: int,
-                          upto: int | None = None) -> list[StoredEvent]:
-        """Events with position > `after` (and <= `upto`), in position order."""
+                          upto: int | None = None, types: Sequence[str] | None = None
+                          ) -> list[StoredEvent]:
+        """Events with position > `after` (and <= `upto`, of `types`), in position order."""
         q = select(*STORED_COLUMNS).where(t.events.c.position > after)
         if upto is not None:
             q = q.where(t.events.c.position <= upto)
+        if types is not None:
+            q = q.where(t.events.c.type.in_(types))
         rows = (await conn.execute(q.order_by(t.events.c.position).limit(limit))).all()
         return [stored_from_row(r) for r in rows]
 

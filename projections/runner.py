@@ -58,6 +58,8 @@ class MemoryProjection:
 
     name = "memories"
     tables = (t.mem_versions, t.mem_marks)
+    types = (*MEMORY_WRITES, "memory.superseded", "memory.confirmed", "memory.forgotten",
+             "task.purged")
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
@@ -157,6 +159,7 @@ class TaskProjection:
 
     name = "tasks"
     tables = (t.task_notes, t.tasks_view)
+    types = (*TASK_TYPES, "memory.forgotten")
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
@@ -232,6 +235,7 @@ class ErasureProjection:
 
     name = "erasure"
     tables = ()
+    types = ("memory.forgotten", "task.purged")
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
@@ -326,7 +330,7 @@ class Runner:
         self.batch_size = batch_size
 
     async def step(self, proj: Projection, upto: int | None = None) -> int:
-        """Apply one batch to one projection; returns how many events it applied."""
+        """Apply one batch to one projection; returns how many positions it moved."""
         cp = t.checkpoints.c
         async with self.store.view_write() as conn:
             q = select(cp.position).where(cp.name == proj.name)
@@ -338,19 +342,26 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
-            batch = await self.store.read_events(conn, position, self.batch_size, upto)
-            if not batch:
+            end = upto if upto is not None else await self.store.head(conn)
+            if end <= position:
                 return 0
+            # Positions are gap-free, so a batch is a range of positions; a projection
+            # that names its event types reads only those, and still moves past the rest.
+            hi = min(position + self.batch_size, end)
+            types = getattr(proj, "types", None)
+            batch = await self.store.read_events(conn, position, self.batch_size, hi,
+                                                 types=types)
             started = time.perf_counter()
-            await proj.apply(self.store, conn, batch)
+            if batch:
+                await proj.apply(self.store, conn, batch)
             await conn.execute(update(t.checkpoints).where(cp.name == proj.name)
-                               .values(position=batch[-1].position, updated_at=time.time()))
-        log.debug("projection_batch", projection=proj.name, position=batch[-1].position,
+                               .values(position=hi, updated_at=time.time()))
+        log.debug("projection_batch", projection=proj.name, after=position, position=hi,
                   events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1))
         if proj.name == "erasure" and any(
                 se.type in ("memory.forgotten", "task.purged") for se in batch):
             await self.store.sqlite_checkpoint()
-        return len(batch)
+        return hi - position
 
     async def catch_up(self, upto: int | None = None) -> dict[str, int]:
         """Run every projection until it reaches `upto` (default: the head now)."""
