@@ -149,7 +149,7 @@ def raw_project(db: Path) -> tuple[float, float, int]:
                         marks.append({"position": r[0], "tenant": r[1],
                                       "target": d["supersedes"], "kind": "superseded",
                                       "order_key": r[8], "by_id": r[10],
-                                      "via_candidate": None})
+                                      "via_candidate": None, "owner": None})
                 conn.executemany(ins_mark, marks)
                 conn.executemany(SUPERSEDE, supersede)
                 conn.executemany(ins_mem, mem_rows)

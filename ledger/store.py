@@ -144,11 +144,16 @@ class StoredEvent:
         return self.event is not None
 
 
-def event_from_wire(obj: dict[str, Any]) -> Event:
-    """Rebuild an `Event` from its stored (already validated, normalised) wire form."""
-    s = obj["source"]
-    source = Source(s["kind"], s["id"], s["at"], s.get("seq"), s.get("event_id"),
-                    to_us(parse_rfc3339(s["at"])))
+def event_from_wire(obj: dict[str, Any], source: Source | None = None) -> Event:
+    """Rebuild an `Event` from its stored (already validated, normalised) wire form.
+
+    `source`, when the caller has it already (the envelope columns), saves parsing the
+    timestamp twice: the envelope and the payload hold the same source.
+    """
+    if source is None:
+        s = obj["source"]
+        source = Source(s["kind"], s["id"], s["at"], s.get("seq"), s.get("event_id"),
+                        to_us(parse_rfc3339(s["at"])))
     return Event(obj["type"], obj["idempotency_key"], obj["tenant"], obj["actor"], source,
                  obj["data"], obj.get("expected_version"))
 
@@ -167,8 +172,8 @@ STORED_COLUMNS: Final = (
 def stored_from_row(r: Sequence[Any]) -> StoredEvent:
     """Build a `StoredEvent` from a row selected with `STORED_COLUMNS`."""
     payload = r[21]
-    ev = event_from_wire(orjson.loads(payload)) if payload is not None else None
     src = Source(r[5], r[6], r[7], r[8], r[9], to_us(parse_rfc3339(r[7])))
+    ev = event_from_wire(orjson.loads(payload), src) if payload is not None else None
     return StoredEvent(r[0], r[1], r[2], r[3], r[4], src, bytes(r[10]), r[11], r[12], r[13],
                        r[14], r[15], r[16], r[17], bool(r[18]), bool(r[19]), r[20], ev, r[22])
 

@@ -76,24 +76,16 @@ def write_fact(se: StoredEvent) -> WriteFact:
     """The write fact of a `memory.written` / `memory.corrected` stored event."""
     assert se.type in MEMORY_WRITES and se.slot and se.memory_id and se.ns_path and se.mkey
     candidate = se.layer == "long" and se.source.kind in CANDIDATE_KINDS
-    base = WriteFact(
+    d = se.event.data if se.event is not None else {}
+    return WriteFact(
         tenant=se.tenant, memory_id=se.memory_id, slot=se.slot, ns_path=se.ns_path,
-        key=se.mkey, layer=se.layer or "long", task_key=se.task_key, session_id=None,
-        position=se.position, order=se.order_key, candidate=candidate, actor=se.actor,
-        source=source_json(se), supersedes=se.supersedes,
+        key=se.mkey, layer=se.layer or "long", task_key=se.task_key,
+        session_id=d.get("session_id"), position=se.position, order=se.order_key,
+        candidate=candidate, actor=se.actor, source=source_json(se),
+        value=encode_json(d["value"]) if "value" in d else None, text=d.get("text"),
+        scope=d.get("scope"), supersedes=se.supersedes, expires_at=d.get("expires_at"),
         suppressed=se.suppressed or se.event is None,
     )
-    if se.event is None:
-        return base
-    d = se.event.data
-    return WriteFact(
-        **{**_asdict(base), "session_id": d.get("session_id"),
-           "value": encode_json(d["value"]), "text": d.get("text"), "scope": d.get("scope"),
-           "expires_at": d.get("expires_at")})
-
-
-def _asdict(w: WriteFact) -> dict[str, Any]:
-    return {f: getattr(w, f) for f in WriteFact.__slots__}
 
 
 def marks_of(se: StoredEvent) -> list[Mark]:
