@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -694,7 +693,7 @@ class _Appender:
         target = slot if slot is not None else (ev.task_key if ev.type in TASK_TYPES else None)
         if target is not None and target in self.counts:
             undo.set(self.counts, target, self.counts[target] + 1)
-        ts = None if suppressed else _tombstone(ev, position)
+        ts = None if suppressed else tombstone_of(ev, position)
         if ts is not None:
             self.tomb_rows.append(tombstone_row(ts))
             lst = self.tombs.setdefault(ev.tenant, [])
@@ -775,9 +774,6 @@ class _Appender:
         }
 
 
-def _tombstone(ev: Event, position: int) -> Tombstone | None:
-    return tombstone_of(ev, position)
-
 
 def _chunks(items: list[Any], n: int) -> Iterable[list[Any]]:
     for i in range(0, len(items), n):
@@ -818,7 +814,3 @@ def _install_sqlite_hooks(engine: AsyncEngine) -> None:
             return  # autocommit: each statement is its own transaction
         conn.exec_driver_sql("BEGIN IMMEDIATE" if opts.get("memledger_write", False) else "BEGIN")
 
-
-def monotonic() -> float:
-    """Seconds from a monotonic clock (leases and timings)."""
-    return time.monotonic()

@@ -149,7 +149,8 @@ async def active_memories(conn: AsyncConnection, who: Principal, *, now_us: int,
     return list((await conn.execute(q)).all())
 
 
-def _task_not_forgotten() -> Any:
+def task_not_forgotten() -> Any:
+    """SQL: the `tasks_view` row is covered by no task purge or prefix forget."""
     tv, ts = t.tasks_view.c, t.tombstones.c
     return ~exists().where(ts.tenant == tv.tenant, or_(
         and_(ts.kind == "task", ts.task_key == tv.task_key),
@@ -163,7 +164,7 @@ async def tasks(conn: AsyncConnection, who: Principal, *, include_closed: bool =
     tv = t.tasks_view.c
     q = select(t.tasks_view).where(
         tv.tenant == who.tenant, prefix_match(tv.ns_path, who.prefix), tv.purged.is_(False),
-        _task_not_forgotten())
+        task_not_forgotten())
     if not include_closed:
         q = q.where(tv.status == "open")
     rows = (await conn.execute(q.order_by(tv.task_key))).all()

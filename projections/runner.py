@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import orjson
 import structlog
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -25,6 +25,7 @@ from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json, ns_path
 from ledger.store import Store, StoredEvent, Tombstone, pairs_in
 from projections.memory import Mark, WriteFact, fact_from_row, marks_of, resolve_slot, write_fact
+from projections.reads import prefix_match
 from projections.tasks import Note, note_body, summarize
 
 log = structlog.get_logger("memledger.projections")
@@ -47,10 +48,6 @@ class Projection(Protocol):
 def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
-
-
-def _prefix_match(col: Any, prefix: str) -> Any:
-    return func.substr(col, 1, len(prefix)) == prefix
 
 
 class MemoryProjection:
@@ -115,10 +112,9 @@ class MemoryProjection:
             q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
                                         mk.kind == "confirmed")
             confirmed.update(r[0] for r in (await conn.execute(q)).all())
+        # Every slot touched belongs to a tenant of the batch: `tombs` already holds them.
         by_tenant: dict[str, list[Tombstone]] = {}
-        all_tombs = await store.tombstones(conn, {w.tenant for ws in existing.values()
-                                                  for w in ws}, upto=upto)
-        for ts in all_tombs:
+        for ts in tombs:
             by_tenant.setdefault(ts.tenant, []).append(ts)
         rows: list[dict[str, Any]] = []
         for slot in slot_list:
@@ -148,7 +144,7 @@ async def covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
     elif ts.kind == "key":
         q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
     elif ts.kind == "prefix":
-        q = q.where(_prefix_match(mv.ns_path, ts.ns_path or "\x00"))
+        q = q.where(prefix_match(mv.ns_path, ts.ns_path or "\x00"))
     else:
         q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
     return {r[0] for r in (await conn.execute(q.distinct())).all()}
@@ -176,7 +172,7 @@ class TaskProjection:
             if se.type == "memory.forgotten" and se.ns_path and se.event is not None \
                     and "namespace_prefix" in se.event.data:
                 q = select(tv.tenant, tv.task_key).where(
-                    tv.tenant == se.tenant, _prefix_match(tv.ns_path, se.ns_path))
+                    tv.tenant == se.tenant, prefix_match(tv.ns_path, se.ns_path))
                 affected.update((r[0], r[1]) for r in (await conn.execute(q)).all())
         if not affected:
             return
@@ -297,7 +293,7 @@ async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:
         cond = and_(ev.ns_path == ts.ns_path, ev.mkey == ts.mkey, ev.type.in_(WRITE_TYPES),
                     ev.order_key <= ts.order_key)
     elif ts.kind == "prefix":
-        cond = and_(_prefix_match(ev.ns_path, ts.ns_path or ""),
+        cond = and_(prefix_match(ev.ns_path, ts.ns_path or ""),
                     ev.type.in_((*WRITE_TYPES, *TASK_CONTENT_TYPES)),
                     ev.order_key <= ts.order_key)
     else:

@@ -29,14 +29,14 @@ from typing import Any, Final
 import numpy as np
 import orjson
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, exists, func, or_, select
+from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import Store, StoredEvent, Tombstone
 from projections.embedding import Embedder, get_embedder
-from projections.reads import not_forgotten, prefix_match
+from projections.reads import not_forgotten, prefix_match, task_not_forgotten
 from projections.runner import covered_slots
 
 EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
@@ -143,15 +143,6 @@ def _by_tenant(pairs: Iterable[tuple[str, str]], n: int = 400
     for tenant, items in grouped.items():
         for chunk in _chunks(items, n):
             yield tenant, chunk
-
-
-def task_not_forgotten() -> Any:
-    """SQL: the `tasks_view` row is covered by no task purge or prefix forget."""
-    tv, ts = t.tasks_view.c, t.tombstones.c
-    return ~exists().where(ts.tenant == tv.tenant, or_(
-        and_(ts.kind == "task", ts.task_key == tv.task_key),
-        and_(ts.kind == "prefix",
-             func.substr(tv.ns_path, 1, func.length(ts.ns_path)) == ts.ns_path)))
 
 
 @dataclass

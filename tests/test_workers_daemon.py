@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +119,9 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
 
 
 @pytest.fixture
-async def ledger(db_url: str, register_path: str) -> AsyncIterator[Store]:
-    """The test's ledger, opened in the test process."""
-    s = Store(db_url, register_path=register_path)
-    await s.open()
-    yield s
-    await s.close()
+def ledger(store: Store) -> Store:
+    """The test's ledger, opened in the test process (the shared `store` fixture)."""
+    return store
 
 
 async def lag(store: Store) -> int:
