@@ -72,6 +72,39 @@ def source_json(se: StoredEvent) -> bytes:
     return encode_json({**se.source.to_wire(), "actor": se.actor})
 
 
+#: The `events` columns `write_fact_of_row` reads, in its order (payload last).
+WRITE_COLUMNS = ("position", "tenant", "actor", "source_kind", "source_id", "source_at",
+                 "source_seq", "source_event_id", "order_key", "slot", "memory_id",
+                 "ns_path", "mkey", "layer", "task_key", "supersedes", "suppressed",
+                 "payload")
+
+
+def write_fact_of_row(r: Sequence[Any]) -> WriteFact:
+    """The write fact of an `events` row selected as `WRITE_COLUMNS`.
+
+    The same fact `write_fact` builds from a `StoredEvent`, without building the event:
+    a bulk rebuild reads every write once, and the stored payload is already validated
+    and normalised (`replay verify` checks it against its digest).
+    """
+    (position, tenant, actor, kind, sid, at, seq, event_id, order, slot, memory_id, nsp,
+     key, layer, task_key, supersedes, suppressed, payload) = r
+    src: dict[str, Any] = {"kind": kind, "id": sid, "at": at, "actor": actor}
+    if seq is not None:
+        src["seq"] = seq
+    if event_id is not None:
+        src["event_id"] = event_id
+    d = orjson.loads(payload)["data"] if payload is not None else {}
+    return WriteFact(
+        tenant=tenant, memory_id=memory_id, slot=slot, ns_path=nsp, key=key,
+        layer=layer or "long", task_key=task_key, session_id=d.get("session_id"),
+        position=int(position), order=bytes(order),
+        candidate=layer == "long" and kind in CANDIDATE_KINDS, actor=actor,
+        source=encode_json(src), value=encode_json(d["value"]) if "value" in d else None,
+        text=d.get("text"), scope=d.get("scope"), supersedes=supersedes,
+        expires_at=d.get("expires_at"), suppressed=bool(suppressed) or payload is None,
+    )
+
+
 def write_fact(se: StoredEvent) -> WriteFact:
     """The write fact of a `memory.written` / `memory.corrected` stored event."""
     assert se.type in MEMORY_WRITES and se.slot and se.memory_id and se.ns_path and se.mkey
@@ -128,6 +161,14 @@ def resolve_slot(writes: Sequence[WriteFact], marks: Sequence[Mark],
     `marks` are those aimed at the slot's memory ids; `confirmed` holds the ids of
     candidates confirmed anywhere (a candidate's `supersedes` counts only then).
     """
+    if len(writes) == 1 and not marks:
+        # Most slots hold one write that nothing marks: skip the ranking.
+        w = writes[0]
+        forgotten = w.suppressed or is_covered(w, tombstones)
+        status = "forgotten" if forgotten else "candidate" if w.candidate else "active"
+        row = _row(w, status, forgotten, None)
+        row["version"] = 1
+        return [row]
     confirm_order: dict[str, bytes] = {}
     explicit: dict[str, Mark] = {}
     paths = {w.memory_id: w.ns_path for w in writes}

@@ -10,9 +10,10 @@ batch twice, and a killed holder's lock dies with its connection.
 from __future__ import annotations
 
 import importlib
+import operator
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import orjson
 import structlog
@@ -45,6 +46,21 @@ class Projection(Protocol):
         """Apply a batch of events (in position order) to the view, inside `conn`'s tx."""
 
 
+@runtime_checkable
+class BulkLoadable(Protocol):
+    """A projection that can refill its emptied view in bulk (`projections.bulk`)."""
+
+    name: str
+
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """Do one step of at most about `size` items, inside `conn`'s transaction.
+
+        Returns the state to record (None when the load is complete) and the positions
+        of progress to report (at least 1).
+        """
+
+
 def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
@@ -67,7 +83,8 @@ class MemoryProjection:
         if not writes and not marks and not forgets:
             return
         if marks:
-            await conn.execute(insert_ignore(store, t.mem_marks), [_mark_row(m) for m in marks])
+            await insert_rows(store, conn, t.mem_marks, [mark_row(m) for m in marks],
+                              ignore=True)
         tenants = {se.tenant for se in batch}
         upto = batch[-1].position
         tombs = await store.tombstones(conn, tenants, upto=upto)
@@ -96,40 +113,89 @@ class MemoryProjection:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:
             existing.setdefault(w.slot, []).append(w)
-        ids = sorted({(w.tenant, w.memory_id) for ws in existing.values() for w in ws})
-        slot_marks: dict[tuple[str, str], list[Mark]] = {}
-        vias: set[tuple[str, str]] = set()
-        for chunk in _chunks(ids):
-            q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
-            for r in (await conn.execute(q)).all():
-                m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                         r.via_candidate, r.owner)
-                slot_marks.setdefault((m.tenant, m.target), []).append(m)
-                if m.via_candidate:
-                    vias.add((m.tenant, m.via_candidate))
-        confirmed: set[str] = set()
-        for chunk in _chunks(sorted(vias)):
-            q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
-                                        mk.kind == "confirmed")
-            confirmed.update(r[0] for r in (await conn.execute(q)).all())
-        # Every slot touched belongs to a tenant of the batch: `tombs` already holds them.
-        by_tenant: dict[str, list[Tombstone]] = {}
-        for ts in tombs:
-            by_tenant.setdefault(ts.tenant, []).append(ts)
-        rows: list[dict[str, Any]] = []
-        for slot in slot_list:
-            ws = existing.get(slot, [])
-            if not ws:
-                continue
-            ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), [])]
-            rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
+        rows = await resolve_slots(conn, existing, tombs)
         for chunk in _chunks(slot_list, 500):
             await conn.execute(delete(t.mem_versions).where(mv.slot.in_(chunk)))
-        if rows:
-            await conn.execute(t.mem_versions.insert(), rows)
+        await insert_rows(store, conn, t.mem_versions, rows)
+
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """One step of a bulk load into the emptied view (`projections.bulk`)."""
+        from projections import bulk  # bulk builds on this module
+
+        return await bulk.memories_step(store, conn, state, size)
 
 
-def _mark_row(m: Mark) -> dict[str, Any]:
+async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]],
+                        tombs: Sequence[Tombstone],
+                        marked: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """The view rows of these slots, each given every write it holds.
+
+    Reads the marks aimed at the slots' memory ids (and which candidates that could
+    supersede through them are confirmed) from `mem_marks`, which must be complete up
+    to the position the writes and `tombs` were read up to; `marked`, when the caller
+    knows it, narrows that to the (tenant, memory id)s that have marks. Every slot must
+    belong to a tenant whose tombstones are all in `tombs`.
+    """
+    mk = t.mem_marks.c
+    ids = sorted({(w.tenant, w.memory_id) for ws in slots.values() for w in ws}
+                 if marked is None else marked)
+    slot_marks: dict[tuple[str, str], list[Mark]] = {}
+    vias: set[tuple[str, str]] = set()
+    for chunk in _chunks(ids):
+        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
+        for r in (await conn.execute(q)).all():
+            m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                     r.via_candidate, r.owner)
+            slot_marks.setdefault((m.tenant, m.target), []).append(m)
+            if m.via_candidate:
+                vias.add((m.tenant, m.via_candidate))
+    confirmed: set[str] = set()
+    for chunk in _chunks(sorted(vias)):
+        q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
+                                    mk.kind == "confirmed")
+        confirmed.update(r[0] for r in (await conn.execute(q)).all())
+    by_tenant: dict[str, list[Tombstone]] = {}
+    for ts in tombs:
+        by_tenant.setdefault(ts.tenant, []).append(ts)
+    rows: list[dict[str, Any]] = []
+    for slot in sorted(slots):
+        ws = slots[slot]
+        if not ws:
+            continue
+        ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), ())]
+        rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
+    return rows
+
+
+_INSERTS: dict[tuple[str, bool], tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]]] = {}
+
+
+async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
+                      rows: Sequence[dict[str, Any]], *, ignore: bool = False) -> None:
+    """Insert view rows (dicts with every column), skipping existing keys if `ignore`.
+
+    On SQLite the rows go to the driver as plain tuples in column order: SQLAlchemy's
+    per-row parameter processing costs about 10 us a row, more than the insert itself.
+    """
+    if not rows:
+        return
+    if store.dialect != "sqlite":
+        await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
+        return
+    key = (table.name, ignore)
+    got = _INSERTS.get(key)
+    if got is None:
+        cols = [c.name for c in table.c]
+        got = _INSERTS[key] = (f"INSERT INTO {table.name} ({', '.join(cols)}) "
+                               f"VALUES ({', '.join('?' for _ in cols)})"
+                               + (" ON CONFLICT DO NOTHING" if ignore else ""),
+                               operator.itemgetter(*cols))
+    sql, values = got
+    await conn.exec_driver_sql(sql, [values(r) for r in rows])
+
+
+def mark_row(m: Mark) -> dict[str, Any]:
     return {"position": m.position, "tenant": m.tenant, "target": m.target, "kind": m.kind,
             "order_key": m.order, "by_id": m.by_id, "via_candidate": m.via_candidate,
             "owner": m.owner}
@@ -159,14 +225,12 @@ class TaskProjection:
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
-        tn, tv = t.task_notes.c, t.tasks_view.c
+        tv = t.tasks_view.c
         notes = [se for se in batch if se.type in TASK_TYPES and se.task_key]
         affected: set[tuple[str, str]] = {(se.tenant, str(se.task_key)) for se in notes}
         if notes:
-            await conn.execute(insert_ignore(store, t.task_notes), [
-                {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
-                 "type": se.type, "order_key": se.order_key,
-                 "body": _enc(note_body(se))} for se in notes])
+            await insert_rows(store, conn, t.task_notes, [note_row(se) for se in notes],
+                              ignore=True)
         upto = batch[-1].position
         for se in batch:
             if se.type == "memory.forgotten" and se.ns_path and se.event is not None \
@@ -174,44 +238,66 @@ class TaskProjection:
                 q = select(tv.tenant, tv.task_key).where(
                     tv.tenant == se.tenant, prefix_match(tv.ns_path, se.ns_path))
                 affected.update((r[0], r[1]) for r in (await conn.execute(q)).all())
-        if not affected:
-            return
-        keys = sorted(affected)
-        by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
-        owners: dict[tuple[str, str], str] = {}
-        to = t.task_owners.c
-        for chunk in _chunks(keys):
-            q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
-            for r in (await conn.execute(q)).all():
-                body = _dec(r.body)
-                by_task[(r.tenant, r.task_key)].append(
-                    Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
-            q2 = select(to.tenant, to.task_key, to.ns_path).where(
-                pairs_in(to.tenant, to.task_key, chunk))
-            owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
-        tombs = await store.tombstones(conn, {k[0] for k in keys}, upto=upto)
-        rows = []
-        erase: list[int] = []
-        for (tenant, task_key), ns in by_task.items():
-            owner = owners.get((tenant, task_key))
-            tt = [x for x in tombs if x.tenant == tenant]
-            res = summarize(tenant, task_key, owner, ns, tt)
-            erase.extend(n.position for n in ns if n.body is not None and (
-                res["purged"] or any(x.covers_task(tenant, task_key, owner, n.order)
-                                     for x in tt)))
-            forgotten_owner = owner is not None and any(
-                x.kind == "prefix" and owner.startswith(x.ns_path or "\x00") for x in tt)
-            rows.append({"tenant": tenant, "task_key": task_key, "ns_path": owner,
-                         "status": res["status"], "retain_until_us": res["retain_until_us"],
-                         "purged": bool(res["purged"] or forgotten_owner),
-                         "summary": res["summary"]})
-        for chunk in _chunks(erase, 500):
-            await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
-                               .values(body=None))
-        for chunk in _chunks(keys):
-            await conn.execute(delete(t.tasks_view).where(
-                pairs_in(tv.tenant, tv.task_key, chunk)))
-        await conn.execute(t.tasks_view.insert(), rows)
+        if affected:
+            await summarize_tasks(store, conn, sorted(affected), upto)
+
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """One step of a bulk load into the emptied view (`projections.bulk`)."""
+        from projections import bulk  # bulk builds on this module
+
+        return await bulk.tasks_step(store, conn, state, size)
+
+
+async def summarize_tasks(store: Store, conn: AsyncConnection,
+                          keys: Sequence[tuple[str, str]], upto: int) -> None:
+    """Recompute the `tasks_view` rows of these (tenant, task key)s from their notes.
+
+    `task_notes` must hold every note up to `upto`; covered note bodies are erased.
+    """
+    tn, tv = t.task_notes.c, t.tasks_view.c
+    by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
+    owners: dict[tuple[str, str], str] = {}
+    to = t.task_owners.c
+    for chunk in _chunks(keys):
+        q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
+        for r in (await conn.execute(q)).all():
+            body = _dec(r.body)
+            by_task[(r.tenant, r.task_key)].append(
+                Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
+        q2 = select(to.tenant, to.task_key, to.ns_path).where(
+            pairs_in(to.tenant, to.task_key, chunk))
+        owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
+    tombs_of: dict[str, list[Tombstone]] = {}
+    for x in await store.tombstones(conn, {k[0] for k in keys}, upto=upto):
+        tombs_of.setdefault(x.tenant, []).append(x)
+    rows = []
+    erase: list[int] = []
+    for (tenant, task_key), ns in by_task.items():
+        owner = owners.get((tenant, task_key))
+        tt = tombs_of.get(tenant, [])
+        res = summarize(tenant, task_key, owner, ns, tt)
+        erase.extend(n.position for n in ns if n.body is not None and (
+            res["purged"] or any(x.covers_task(tenant, task_key, owner, n.order)
+                                 for x in tt)))
+        forgotten_owner = owner is not None and any(
+            x.kind == "prefix" and owner.startswith(x.ns_path or "\x00") for x in tt)
+        rows.append({"tenant": tenant, "task_key": task_key, "ns_path": owner,
+                     "status": res["status"], "retain_until_us": res["retain_until_us"],
+                     "purged": bool(res["purged"] or forgotten_owner),
+                     "summary": res["summary"]})
+    for chunk in _chunks(erase, 500):
+        await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
+                           .values(body=None))
+    for chunk in _chunks(keys):
+        await conn.execute(delete(t.tasks_view).where(pairs_in(tv.tenant, tv.task_key, chunk)))
+    await insert_rows(store, conn, t.tasks_view, rows)
+
+
+def note_row(se: StoredEvent) -> dict[str, Any]:
+    """The `task_notes` row of a task event."""
+    return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
+            "type": se.type, "order_key": se.order_key, "body": _enc(note_body(se))}
 
 
 def _enc(obj: Any) -> bytes | None:
@@ -338,6 +424,10 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
+            if isinstance(proj, BulkLoadable):
+                moved = await self._bulk_step(proj, conn)
+                if moved is not None:
+                    return moved
             end = upto if upto is not None else await self.store.head(conn)
             if end <= position:
                 return 0
@@ -358,6 +448,28 @@ class Runner:
                 se.type in ("memory.forgotten", "task.purged") for se in batch):
             await self.store.sqlite_checkpoint()
         return hi - position
+
+    async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection) -> int | None:
+        """Run the next step of the projection's bulk load, if one is in progress.
+
+        Returns the positions of progress it reports (at least 1), or None when there
+        is no bulk load. The last step moves the checkpoint to the load's head.
+        """
+        from projections import bulk  # bulk builds on this module
+
+        state = await bulk.read_state(conn, proj.name)
+        if state is None:
+            return None
+        started = time.perf_counter()
+        with bulk.no_gc_pauses():
+            new, moved = await proj.bulk_step(self.store, conn, state, self.batch_size)
+        await bulk.write_state(conn, proj.name, new)
+        if new is None:
+            await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
+                               .values(position=int(state["head"]), updated_at=time.time()))
+        log.debug("projection_bulk_step", projection=proj.name, phase=state.get("phase"),
+                  done=new is None, ms=round((time.perf_counter() - started) * 1000, 1))
+        return moved
 
     async def catch_up(self, upto: int | None = None) -> dict[str, int]:
         """Run every projection until it reaches `upto` (default: the head now)."""

@@ -29,15 +29,16 @@ from typing import Any, Final
 import numpy as np
 import orjson
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import and_, delete, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import Store, StoredEvent, Tombstone
+from projections.bulk import finished, progressed
 from projections.embedding import Embedder, get_embedder
 from projections.reads import not_forgotten, prefix_match, task_not_forgotten
-from projections.runner import covered_slots
+from projections.runner import covered_slots, insert_rows
 
 EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
 #: `meta` row: events after this position may have been indexed from views that lagged.
@@ -236,6 +237,45 @@ class VectorProjection:
         """The embedder of this projection (fixed at construction, else the env's)."""
         return self._fixed or current_embedder()
 
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """One step of a bulk load (`projections.bulk`): index the views as they are.
+
+        The first step fixes the load's head at the position both source views have
+        reached (the entries are read from the views, which may by then hold later
+        events too: those events are indexed again, by the ordinary projection, after
+        the load). Phases: `memories` (active rows, by primary key), then `tasks`.
+        """
+        if "phase" not in state:
+            state.update(head=min(int(state["head"]), await _source_views_position(conn)),
+                         phase="memories", after=None)
+        mv, tv = t.mem_versions.c, t.tasks_view.c
+        emb = self.embedder
+        if state["phase"] == "memories":
+            q = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
+                       mv.session_id, mv.value, mv.text).where(
+                mv.status == "active", not_forgotten())
+            if state["after"] is not None:
+                q = q.where(tuple_(mv.tenant, mv.memory_id) > tuple_(*state["after"]))
+            rows = (await conn.execute(q.order_by(mv.tenant, mv.memory_id).limit(size))).all()
+            await insert_rows(store, conn, t.vectors, memory_entries(emb, rows))
+            if len(rows) == size:
+                state["after"] = [rows[-1].tenant, rows[-1].memory_id]
+            else:
+                state.update(phase="tasks", after=None)
+            return progressed(state, len(rows))
+        qt = select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
+            tv.status == "open", tv.purged.is_(False), tv.ns_path.is_not(None),
+            task_not_forgotten())
+        if state["after"] is not None:
+            qt = qt.where(tuple_(tv.tenant, tv.task_key) > tuple_(*state["after"]))
+        trows = (await conn.execute(qt.order_by(tv.tenant, tv.task_key).limit(size))).all()
+        await insert_rows(store, conn, t.vectors, task_entries(emb, trows))
+        if len(trows) < size:
+            return finished(state)
+        state["after"] = [trows[-1].tenant, trows[-1].task_key]
+        return progressed(state, len(trows))
+
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
         """Recompute the entries of every memory slot and task the batch touches."""
@@ -259,11 +299,12 @@ class VectorProjection:
                     events: Sequence[StoredEvent], upto: int) -> None:
         touch = touched(events)
         tombs = await touch.tombstones(store, conn, upto)
-        await self._sync_memories(conn, touch.mem_ids, touch.slots, tombs)
-        await self._sync_tasks(conn, touch.tasks, tombs)
+        await self._sync_memories(store, conn, touch.mem_ids, touch.slots, tombs)
+        await self._sync_tasks(store, conn, touch.tasks, tombs)
 
-    async def _sync_memories(self, conn: AsyncConnection, mem_ids: set[tuple[str, str]],
-                             slots: set[str], tombs: Sequence[Tombstone]) -> None:
+    async def _sync_memories(self, store: Store, conn: AsyncConnection,
+                             mem_ids: set[tuple[str, str]], slots: set[str],
+                             tombs: Sequence[Tombstone]) -> None:
         mv, vc = t.mem_versions.c, t.vectors.c
         for ts in tombs:
             # Drop every entry the forget covers, stale ones included; what the slot
@@ -289,15 +330,9 @@ class VectorProjection:
                 vc.tenant == tenant, vc.item_id.in_(chunk), vc.kind == "memory"))
         if not wanted:
             return
-        emb = self.embedder
-        matrix = emb.embed([memory_text(r.mkey, r.value, r.text) for r in wanted])
-        await conn.execute(t.vectors.insert(), [
-            {"tenant": r.tenant, "item_id": r.memory_id, "kind": "memory",
-             "ns_path": r.ns_path, "layer": r.layer, "task_key": r.task_key,
-             "session_id": r.session_id, "model": emb.name, "dim": emb.dim,
-             "vector": to_blob(matrix[i])} for i, r in enumerate(wanted)])
+        await insert_rows(store, conn, t.vectors, memory_entries(self.embedder, wanted))
 
-    async def _sync_tasks(self, conn: AsyncConnection, tasks: set[tuple[str, str]],
+    async def _sync_tasks(self, store: Store, conn: AsyncConnection, tasks: set[tuple[str, str]],
                           tombs: Sequence[Tombstone]) -> None:
         tv, vc = t.tasks_view.c, t.vectors.c
         for ts in tombs:
@@ -320,13 +355,30 @@ class VectorProjection:
             wanted.extend((await conn.execute(q)).all())
         if not wanted:
             return
-        emb = self.embedder
-        matrix = emb.embed([task_text(r.task_key, orjson.loads(r.summary)) for r in wanted])
-        await conn.execute(t.vectors.insert(), [
-            {"tenant": r.tenant, "item_id": TASK_PREFIX + r.task_key, "kind": "task",
+        await insert_rows(store, conn, t.vectors, task_entries(self.embedder, wanted))
+
+
+def memory_entries(emb: Embedder, rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The index entries of active `mem_versions` rows (tenant, memory_id, ns_path, mkey,
+    layer, task_key, session_id, value, text), embedded in one batch."""
+    if not rows:
+        return []
+    matrix = emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
+    return [{"tenant": r.tenant, "item_id": r.memory_id, "kind": "memory",
+             "ns_path": r.ns_path, "layer": r.layer, "task_key": r.task_key,
+             "session_id": r.session_id, "model": emb.name, "dim": emb.dim,
+             "vector": to_blob(matrix[i])} for i, r in enumerate(rows)]
+
+
+def task_entries(emb: Embedder, rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The index entries of open `tasks_view` rows (tenant, task_key, ns_path, summary)."""
+    if not rows:
+        return []
+    matrix = emb.embed([task_text(r.task_key, orjson.loads(r.summary)) for r in rows])
+    return [{"tenant": r.tenant, "item_id": TASK_PREFIX + r.task_key, "kind": "task",
              "ns_path": r.ns_path, "layer": "task", "task_key": r.task_key,
              "session_id": None, "model": emb.name, "dim": emb.dim,
-             "vector": to_blob(matrix[i])} for i, r in enumerate(wanted)])
+             "vector": to_blob(matrix[i])} for i, r in enumerate(rows)]
 
 
 def _covered_entries(ts: Tombstone) -> Any:

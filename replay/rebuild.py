@@ -39,7 +39,8 @@ from ledger.store import (
     tombstone_row,
 )
 from ledger.validation import parse_event
-from projections.runner import Projection, Runner, erase_payloads
+from projections.bulk import write_state
+from projections.runner import BulkLoadable, Projection, Runner, erase_payloads
 from replay.progress import Progress
 
 log = structlog.get_logger("memledger.replay")
@@ -204,11 +205,13 @@ async def _lock_checkpoint(conn: AsyncConnection, store: Store, name: str) -> No
     await conn.execute(q)
 
 
-async def reset_projection(store: Store, proj: Projection) -> None:
+async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True) -> None:
     """Drop a projection's view rows and set its checkpoint to 0, in one transaction.
 
     The checkpoint row is locked first, so a runner in another process finishes its
-    batch before the reset, and its next batch starts from position 0.
+    batch before the reset, and its next batch starts from position 0. With `bulk` (and
+    a projection that supports it), the view is then refilled by a bulk load up to the
+    head read here (`projections.bulk`), instead of event by event.
     """
     m = t.meta.c
     async with store.view_write() as conn:
@@ -224,6 +227,8 @@ async def reset_projection(store: Store, proj: Projection) -> None:
         await conn.execute(delete(t.meta).where(m.name == MARKER_PREFIX + proj.name))
         await conn.execute(t.meta.insert().values(name=MARKER_PREFIX + proj.name,
                                                   value=now_iso()))
+        if bulk and isinstance(proj, BulkLoadable):
+            await write_state(conn, proj.name, {"head": await store.head(conn)})
 
 
 async def _clear_marker(store: Store, name: str) -> None:
@@ -254,11 +259,12 @@ def select_projections(runner: Runner, names: Sequence[str] | None) -> list[Proj
 
 async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: bool = False,
                   batch_size: int = REBUILD_BATCH, progress: bool = True,
-                  runner: Runner | None = None) -> dict[str, Any]:
+                  runner: Runner | None = None, bulk: bool = True) -> dict[str, Any]:
     """Reapply the register, then drop and rebuild the named views (all by default).
 
     A rebuild left unfinished (interrupted, killed) is resumed from its checkpoint
-    unless `restart` asks to drop the views again.
+    unless `restart` asks to drop the views again. `bulk=False` replays event by event,
+    as the live projections do, instead of bulk loading (`projections.bulk`).
     """
     await store.open()
     runner = runner or Runner(store, batch_size=batch_size)
@@ -270,7 +276,7 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
         if p.name in pending and not restart:
             resumed.append(p.name)
         else:
-            await reset_projection(store, p)
+            await reset_projection(store, p, bulk=bulk)
     head = await store.head()
     positions = await runner.positions()
     total = sum(max(0, head - positions[p.name]) for p in projs)

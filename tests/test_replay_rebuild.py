@@ -95,16 +95,17 @@ async def test_register_forget_of_an_absent_memory_is_still_recorded(store: Stor
 
 
 async def test_interrupted_rebuild_resumes(store: Store) -> None:
-    """A rebuild cut off after one batch is resumed by the next run from its checkpoint;
-    `restart` drops the views again instead."""
+    """An event-by-event rebuild cut off after one batch is resumed by the next run from
+    its checkpoint; `restart` drops the views again instead (a bulk load resuming:
+    tests/test_bulk.py)."""
     await load(store)
     expected = await dump_views(store, t.VIEW_TABLES)
     runner = Runner(store, batch_size=4)
     memories = next(p for p in runner.projections if p.name == "memories")
-    await reset_projection(store, memories)
+    await reset_projection(store, memories, bulk=False)
     assert await runner.step(memories) == 4  # ... and then the process died
     assert await in_progress(store) == {"memories"}
-    res = await rebuild(store, ["memories"], runner=runner, progress=False)
+    res = await rebuild(store, ["memories"], runner=runner, progress=False, bulk=False)
     assert res["resumed"] == ["memories"]
     assert res["projections"]["memories"]["from"] == 4
     assert await in_progress(store) == set()
