@@ -51,6 +51,9 @@ from projections.runner import (
 
 #: `meta` row of a bulk load in progress: `<projection name>` + this suffix.
 BULK_SUFFIX: Final = ".bulk"
+#: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
+#: rebuild` sets them; a bulk load's last step removes its projection's).
+REBUILD_MARKER: Final = "rebuild:"
 #: Positions scanned per step of a phase that reads a few event types out of all.
 SCAN_SPAN: Final = 50_000
 
@@ -73,9 +76,14 @@ async def read_state(conn: AsyncConnection, projection: str) -> State | None:
 
 
 async def write_state(conn: AsyncConnection, projection: str, state: State | None) -> None:
-    """Record (or, with None, end) a projection's bulk load, inside `conn`'s transaction."""
+    """Record (or, with None, end) a projection's bulk load, inside `conn`'s transaction.
+
+    Ending it also ends the rebuild it belongs to: the view is complete at its head.
+    """
     m = t.meta.c
     await conn.execute(t.meta.delete().where(m.name == meta_name(projection)))
+    if state is None:
+        await conn.execute(t.meta.delete().where(m.name == REBUILD_MARKER + projection))
     if state is not None:
         await conn.execute(t.meta.insert().values(name=meta_name(projection),
                                                   value=orjson.dumps(state).decode()))

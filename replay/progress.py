@@ -48,8 +48,8 @@ class Progress:
                 f"{rate:,.0f} {self.unit}/s, ETA {eta}")
 
     def advance(self, n: int) -> None:
-        """Count `n` more units done; redraw when it is time."""
-        self.done += n
+        """Count `n` more units done (never past the total); redraw when it is time."""
+        self.done = min(self.done + n, self.total) if self.total else self.done + n
         now = time.monotonic()
         if self.enabled and now - self._last >= self._every:
             self._last = now

@@ -39,14 +39,14 @@ from ledger.store import (
     tombstone_row,
 )
 from ledger.validation import parse_event
-from projections.bulk import write_state
+from projections.bulk import REBUILD_MARKER, write_state
 from projections.runner import BulkLoadable, Projection, Runner, erase_payloads
 from replay.progress import Progress
 
 log = structlog.get_logger("memledger.replay")
 
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>`.
-MARKER_PREFIX: Final = "rebuild:"
+MARKER_PREFIX: Final = REBUILD_MARKER
 #: Events per transaction in a rebuild. Larger than the runner's live default: a batch's
 #: fixed cost (its slot and task queries) is spread over more events, which doubles the
 #: memories projection's rate on SQLite; memory stays bounded by the batch.
@@ -285,13 +285,12 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
     for p in projs:
         started = time.monotonic()
         start_at = positions[p.name]
-        n = 0
         while True:
             got = await runner.step(p, head)
             if not got:
                 break
-            n += got
-            bar.advance(got)
+            bar.advance(got)  # a bulk step reports its progress in positions, roughly
+        n = (await runner.positions())[p.name] - start_at
         seconds = time.monotonic() - started
         await _clear_marker(store, p.name)
         done[p.name] = {"from": start_at, "events": n, "seconds": round(seconds, 3),

@@ -41,8 +41,9 @@ from ledger.store import (
     tombstone_from_row,
     tombstone_of,
 )
-from projections.runner import Runner, dead_letter_covered
-from replay.rebuild import register_events
+from projections.bulk import write_state
+from projections.runner import BulkLoadable, Runner, dead_letter_covered
+from replay.rebuild import REBUILD_BATCH, register_events
 from replay.rows import FORGETS, by_tenant, covering, row_dict, stream_rows
 
 MAX_PROBLEMS: Final = 50
@@ -260,11 +261,15 @@ async def _compare_views(conn: AsyncConnection, store: Store, rep: Report,
         try:
             await scratch.open()
             await _copy_ledger(conn, store, scratch)
-            runner = Runner(scratch)
+            runner = Runner(scratch, batch_size=REBUILD_BATCH)
             for proj in runner.projections:
                 upto = positions.get(proj.name, 0)
                 if upto <= 0:
                     continue
+                if isinstance(proj, BulkLoadable):
+                    # The scratch views are empty: bulk load them up to the live position.
+                    async with scratch.view_write() as c:
+                        await write_state(c, proj.name, {"head": upto})
                 while await runner.step(proj, upto):
                     pass
             tables: list[Any] = []
