@@ -295,6 +295,13 @@ def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float
     )
 
 
+def clear_caches() -> None:
+    """Empty the per-word and per-feature caches (a benchmark's cold start)."""
+    _latin_word_features.cache_clear()
+    _cjk_run_features.cache_clear()
+    _hashed.cache_clear()
+
+
 _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in range(64))
 
 
