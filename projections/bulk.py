@@ -42,6 +42,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import STORED_COLUMNS, Store, stored_from_row
 from projections.memory import WRITE_COLUMNS, WriteFact, marks_of, write_fact_of_row
 from projections.runner import (
+    BULK_SUFFIX,
     insert_rows,
     mark_row,
     note_row,
@@ -49,8 +50,6 @@ from projections.runner import (
     summarize_tasks,
 )
 
-#: `meta` row of a bulk load in progress: `<projection name>` + this suffix.
-BULK_SUFFIX: Final = ".bulk"
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"

@@ -13,7 +13,7 @@ import importlib
 import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import orjson
 import structlog
@@ -32,6 +32,8 @@ from projections.tasks import Note, note_body, summarize
 log = structlog.get_logger("memledger.projections")
 
 WRITE_TYPES = tuple(MEMORY_WRITES)
+#: `meta` row of a bulk load in progress: `<projection name>` + this (`projections.bulk`).
+BULK_SUFFIX: Final = ".bulk"
 TASK_CONTENT_TYPES = ("task.opened", "task.noted", "task.closed")
 
 
@@ -424,6 +426,8 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
+            # Read in a statement of its own, after the lock: on PostgreSQL a subquery of
+            # the locking SELECT would see the snapshot from before the wait.
             if isinstance(proj, BulkLoadable):
                 moved = await self._bulk_step(proj, conn)
                 if moved is not None:
