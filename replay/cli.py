@@ -161,9 +161,22 @@ async def status_report(store: Store) -> dict[str, Any]:
                    .scalar() or 0)
         forgets = int((await conn.execute(select(func.count()).select_from(t.tombstones)))
                       .scalar() or 0)
+        m = t.meta.c
+        meta = {r[0]: r[1] for r in (await conn.execute(select(m.name, m.value).where(
+            m.name.startswith("rebuild:", autoescape=True)
+            | m.name.endswith(".bulk", autoescape=True)))).all()}
+    projections: dict[str, Any] = {}
+    for n, p in positions.items():
+        projections[n] = {"position": p, "lag": head - p}
+        if "rebuild:" + n in meta:
+            projections[n]["rebuilding_since"] = meta["rebuild:" + n]
+        if n + ".bulk" in meta:
+            load = orjson.loads(meta[n + ".bulk"])
+            projections[n]["bulk_load"] = {"head": load.get("head"),
+                                           "phase": load.get("phase")}
     report: dict[str, Any] = {
         "head": head,
-        "projections": {n: {"position": p, "lag": head - p} for n, p in positions.items()},
+        "projections": projections,
         "backend": store.dialect,
         "tombstones": forgets,
         "dead_letters": dead,

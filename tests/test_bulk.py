@@ -21,6 +21,7 @@ from ledger.store import Store
 from ledger.validation import parse_event
 from projections import bulk
 from projections.runner import Runner
+from replay.cli import status_report
 from replay.rebuild import in_progress, rebuild, reset_projection
 from replay.verify import verify
 from tests.factories import event, src, write
@@ -102,12 +103,17 @@ async def test_killed_bulk_load_is_finished_by_any_runner(store: Store) -> None:
     state = await _bulk_state(store, "memories")
     assert state is not None and state["phase"] == "slots"
     assert await _checkpoint(store, "memories") == 0
+    shown = (await status_report(store))["projections"]["memories"]
+    assert shown["bulk_load"] == {"head": head, "phase": "slots"}
+    assert "rebuilding_since" in shown and shown["lag"] == head
     if store.dialect == "sqlite":
         assert not await _sqlite_indexes(store, "mem_versions") & {"ix_mem_lookup"}
     await Runner(store, batch_size=3).catch_up()  # a worker's pass
     assert await _bulk_state(store, "memories") is None
     assert await _checkpoint(store, "memories") == head
     assert await in_progress(store) == set()
+    shown = (await status_report(store))["projections"]["memories"]
+    assert shown == {"position": head, "lag": 0}
     assert await dump_views(store, t.VIEW_TABLES) == expected
     if store.dialect == "sqlite":
         assert await _sqlite_indexes(store, "mem_versions") == {
