@@ -181,6 +181,7 @@ _MAX_CJK_TERM: Final[int] = 4
 _PROBE_SCALE: Final[float] = 1.0 / math.sqrt(2.0)
 
 
+@lru_cache(maxsize=1 << 16)
 def _stem(word: str) -> str:
     """Strip one common English inflection so "languages" and "language" share a word."""
     if len(word) > 4 and word.endswith("ies"):
@@ -256,28 +257,35 @@ def _cjk_run_features(run: str) -> tuple[str, ...]:
     return tuple(feats)
 
 
+@lru_cache(maxsize=1 << 16)
+def _pair_features(prev: str, token: str) -> tuple[str, ...]:
+    feats: list[str] = []
+    concept = _LATIN_CONCEPTS.get(f"{prev} {token}") or _LATIN_CONCEPTS.get(
+        f"{_stem(prev)} {_stem(token)}"
+    )
+    if concept is not None:
+        feats.append("c" + concept)
+    if prev not in _EN_STOPWORDS and token not in _EN_STOPWORDS:
+        feats.append(f"b{_stem(prev)} {_stem(token)}")
+    return tuple(feats)
+
+
 def _text_features(text: str) -> Counter[str]:
-    """Count every feature of one text; the counts feed a sublinear term-frequency weight."""
-    counts: Counter[str] = Counter()
+    # One list in order of appearance, counted once: the same counts, in the same key
+    # order (which fixes the order of the float sums), as counting feature by feature.
+    feats: list[str] = []
     prev: str | None = None
     for match in _TOKEN_RE.finditer(_normalise(text)):
         token = match.group()
         if match.lastgroup == "cjk":
-            counts.update(_cjk_run_features(token))
+            feats.extend(_cjk_run_features(token))
             prev = None
             continue
-        counts.update(_latin_word_features(token))
+        feats.extend(_latin_word_features(token))
         if prev is not None:
-            pair = f"{prev} {token}"
-            concept = _LATIN_CONCEPTS.get(pair) or _LATIN_CONCEPTS.get(
-                f"{_stem(prev)} {_stem(token)}"
-            )
-            if concept is not None:
-                counts["c" + concept] += 1
-            if prev not in _EN_STOPWORDS and token not in _EN_STOPWORDS:
-                counts[f"b{_stem(prev)} {_stem(token)}"] += 1
+            feats.extend(_pair_features(prev, token))
         prev = token
-    return counts
+    return Counter(feats)
 
 
 @lru_cache(maxsize=1 << 18)
@@ -300,6 +308,8 @@ def clear_caches() -> None:
     _latin_word_features.cache_clear()
     _cjk_run_features.cache_clear()
     _hashed.cache_clear()
+    _stem.cache_clear()
+    _pair_features.cache_clear()
 
 
 _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in range(64))
@@ -326,14 +336,12 @@ class HashedNgramEmbedder:
         lengths: list[int] = []
         for text in texts:
             counts = _text_features(text)
-            length = 0
             for feature, count in counts.items():
                 tf = _TF[count] if count < 64 else 1.0 + math.log(count)
-                for bucket, weight in _hashed(feature, dim):
-                    cols.append(bucket)
-                    vals.append(weight * tf)
-                    length += 1
-            lengths.append(length)
+                (b1, w1), (b2, w2) = _hashed(feature, dim)
+                cols += (b1, b2)
+                vals += (w1 * tf, w2 * tf)
+            lengths.append(2 * len(counts))  # two probes per feature
         rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
         flat = rows * dim + np.asarray(cols, dtype=np.int64)
         sums = np.bincount(flat, weights=np.asarray(vals, dtype=np.float64), minlength=n * dim)
