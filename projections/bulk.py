@@ -83,7 +83,7 @@ async def write_state(conn: AsyncConnection, projection: str, state: State | Non
     await conn.execute(t.meta.delete().where(m.name == meta_name(projection)))
     if state is None:
         await conn.execute(t.meta.delete().where(m.name == REBUILD_MARKER + projection))
-    if state is not None:
+    else:
         await conn.execute(t.meta.insert().values(name=meta_name(projection),
                                                   value=orjson.dumps(state).decode()))
 
