@@ -288,7 +288,7 @@ def _text_features(text: str) -> Counter[str]:
     return Counter(feats)
 
 
-@lru_cache(maxsize=1 << 18)
+@lru_cache(maxsize=1 << 16)
 def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float]]:
     """Map a feature to two signed, weighted buckets with a process-independent hash."""
     digest = hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest()
