@@ -181,7 +181,7 @@ _MAX_CJK_TERM: Final[int] = 4
 _PROBE_SCALE: Final[float] = 1.0 / math.sqrt(2.0)
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 14)
 def _stem(word: str) -> str:
     """Strip one common English inflection so "languages" and "language" share a word."""
     if len(word) > 4 and word.endswith("ies"):
@@ -220,7 +220,7 @@ def _build_concept_index() -> tuple[dict[str, str], dict[str, str]]:
 _LATIN_CONCEPTS, _CJK_CONCEPTS = _build_concept_index()
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 14)
 def _latin_word_features(word: str) -> tuple[str, ...]:
     """Return the word, character 3-gram and concept features of one latin token."""
     if word in _EN_STOPWORDS:
@@ -236,7 +236,7 @@ def _latin_word_features(word: str) -> tuple[str, ...]:
     return tuple(feats)
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 14)
 def _cjk_run_features(run: str) -> tuple[str, ...]:
     """Return unigram, bigram, trigram and concept features of one run of CJK characters."""
     feats: list[str] = []
@@ -257,7 +257,7 @@ def _cjk_run_features(run: str) -> tuple[str, ...]:
     return tuple(feats)
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 14)
 def _pair_features(prev: str, token: str) -> tuple[str, ...]:
     feats: list[str] = []
     concept = _LATIN_CONCEPTS.get(f"{prev} {token}") or _LATIN_CONCEPTS.get(
@@ -288,7 +288,7 @@ def _text_features(text: str) -> Counter[str]:
     return Counter(feats)
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 14)
 def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float]]:
     """Map a feature to two signed, weighted buckets with a process-independent hash."""
     digest = hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest()
