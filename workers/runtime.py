@@ -16,11 +16,11 @@ from typing import Any
 import structlog
 
 from ledger.errors import MemledgerError
-from ledger.store import Store
 from workers.broker import INGEST_QUEUE, PROJECT_QUEUE, QUEUES, LedgerBroker, safe_url
 from workers.ingest import AppendBatcher
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
+from workers.turns import TurnStore
 from workers.wake import WakeSender, broker_sender
 
 log = structlog.get_logger("memledger.workers")
@@ -70,7 +70,8 @@ class Runtime:
     def __init__(self, settings: Settings, broker: LedgerBroker, *, sweep: bool) -> None:
         self.settings = settings
         self.broker = broker
-        self.store = Store(settings.db_url, register_path=settings.register_path)
+        # Write transactions take turns with the other worker processes (SQLite).
+        self.store = TurnStore(settings.db_url, register_path=settings.register_path)
         self.append = AppendBatcher(self.store)
         self.projector = (Projector(self.store, share=settings.ingests) if settings.projects
                           else None)
