@@ -21,7 +21,7 @@ from workers.ingest import AppendBatcher
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
 from workers.turns import TurnStore
-from workers.wake import WakeSender, broker_sender
+from workers.wake import WakeListener, WakeSender, broker_sender
 
 log = structlog.get_logger("memledger.workers")
 
@@ -79,6 +79,7 @@ class Runtime:
         self.store.on_commit(self._committed)
         self.sweeps = sweep and self.projector is not None
         self.last_sweep: float | None = None
+        self.listener: WakeListener | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -88,6 +89,17 @@ class Runtime:
         except MemledgerError as e:
             log.warning("store_unavailable_at_start", error=str(e)[:300],
                         note="will retry on every message and sweep")
+        if self.projector is not None:
+            # Wake-ups broadcast by every appending process (this one's own commits
+            # poke the projector directly too).
+            loop = asyncio.get_running_loop()
+            poke = self.projector.poke
+
+            def woken() -> None:
+                loop.call_soon_threadsafe(poke)
+
+            self.listener = WakeListener(self.settings.redis_url, woken)
+            self.listener.start()
         if self.sweeps:
             assert self.projector is not None
             loop = asyncio.get_running_loop()
@@ -137,6 +149,8 @@ class Runtime:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.stop)
         if self.projector is not None:
             await self.projector.close()
         with contextlib.suppress(Exception):

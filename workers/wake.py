@@ -1,29 +1,48 @@
 """Wake-ups: after an append commits, tell the projection workers there is more to read.
 
-A wake-up is a broker message carrying only the new head position: no content, no
-order. `WakeSender` coalesces them (at most one in flight, at most one every
-`MIN_INTERVAL_S`, the latest head always sent last), and never lets a broker failure
-reach the append: a lost wake-up only delays projection until the next sweep.
-`attach(store)` wires it to any `Store`, so an app appending through the SDK wakes
-the daemons too.
+A wake-up carries only the new head position: no content, no order. It is broadcast
+on the Redis pub/sub channel `WAKE_CHANNEL`, so every projecting process hears it at
+once (`WakeListener`, a thread that pokes its projector); nothing is queued, and a
+wake-up nobody hears is simply gone. `WakeSender` coalesces them (at most one in
+flight, at most one every `MIN_INTERVAL_S`, the latest head always sent last), and
+never lets a broker failure reach the append: a lost wake-up only delays projection
+until the next sweep. `attach(store)` wires it to any `Store`, so an app appending
+through the SDK wakes the daemons too.
+
+The `project` queue's `memledger_wake` messages (`wake_message`) still work: they ask
+for a full pass and wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
+import redis
 import structlog
 from dramatiq import Message
 
 from ledger.store import Store
-from workers.broker import PROJECT_QUEUE, WAKE_ACTOR, LedgerBroker, redis_url, safe_url
+from workers.broker import (
+    NAMESPACE,
+    PROJECT_QUEUE,
+    WAKE_ACTOR,
+    LedgerBroker,
+    redis_client,
+    redis_url,
+    safe_url,
+)
 
 log = structlog.get_logger("memledger.workers")
 
-MIN_INTERVAL_S: Final = 0.02
+#: The pub/sub channel wake-ups are broadcast on.
+WAKE_CHANNEL: Final = f"{NAMESPACE}:wake"
+#: At most one wake-up per this many seconds per sending process.
+MIN_INTERVAL_S: Final = 0.005
 #: While the broker is down, one warning per this many seconds.
 WARN_EVERY_S: Final = 60.0
 
@@ -76,10 +95,60 @@ class WakeSender:
 
 
 def broker_sender(broker: LedgerBroker) -> Callable[[int], None]:
-    """A blocking `send(head)` through a broker."""
+    """A blocking `send(head)`: broadcast on the broker's wake-up channel."""
     def send(head: int) -> None:
-        broker.enqueue(wake_message(head))
+        broker.client.publish(WAKE_CHANNEL, str(head))
     return send
+
+
+class WakeListener:
+    """A thread subscribed to `WAKE_CHANNEL`; calls `on_wake()` for every wake-up, and
+    once after each (re)subscription, since wake-ups sent meanwhile were not heard.
+
+    `on_wake` runs on this thread: make it thread-safe (`loop.call_soon_threadsafe`).
+    While the broker is unreachable it tries again every `retry_s` (quietly: the
+    housekeeping thread reports the broker's state).
+    """
+
+    def __init__(self, url: str, on_wake: Callable[[], None], *, retry_s: float = 1.0
+                 ) -> None:
+        self.url = url
+        self.on_wake = on_wake
+        self.retry_s = retry_s
+        self.heard = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="memledger-wake-listener")
+
+    def start(self) -> None:
+        """Start listening."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop listening (within about half a second)."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            client = redis_client(self.url)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(WAKE_CHANNEL)
+                self.on_wake()
+                while not self._stop.is_set():
+                    if pubsub.get_message(timeout=0.5) is not None:
+                        self.heard += 1
+                        self.on_wake()
+            except (redis.RedisError, OSError):
+                self._stop.wait(self.retry_s)
+            except Exception:  # a listener failure must not end wake-ups
+                log.exception("wake_listener_failed")
+                self._stop.wait(self.retry_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+                client.close()
 
 
 def attach(store: Store, url: str | None = None) -> WakeSender:
