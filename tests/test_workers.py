@@ -253,13 +253,16 @@ def test_publish_to_a_down_broker_reports_not_sent() -> None:
 
 def test_several_processes_split_projection_from_ingest() -> None:
     """With --processes N and both queues, process 0 projects and sweeps, the rest ingest."""
-    from workers.broker import PROJECT_QUEUE
+    from workers.broker import DEFAULT_THREADS, PROJECT_QUEUE, PROJECT_THREADS
     from workers.daemon import roles
     from workers.runtime import Settings
 
     many = roles(Settings(redis_url="redis://x", processes=3))
     assert [r.queues for r in many] == [(PROJECT_QUEUE,), (INGEST_QUEUE,), (INGEST_QUEUE,)]
     assert {r.processes for r in many} == {1}
+    # Ingest threads bound the messages in flight; the projector's only get wake-ups.
+    assert [r.threads for r in many] == [PROJECT_THREADS, DEFAULT_THREADS, DEFAULT_THREADS]
+    assert roles(Settings(redis_url="redis://x", processes=2, threads=4))[0].threads == 4
     only = roles(Settings(redis_url="redis://x", processes=2, queues=(INGEST_QUEUE,)))
     assert [r.queues for r in only] == [(INGEST_QUEUE,), (INGEST_QUEUE,)]
 

@@ -50,6 +50,12 @@ DEAD_MESSAGE_TTL_MS: Final = 3_600_000
 #: How long an idle consumer waits between polls (dramatiq's default is 1 s; the lag
 #: of the first message after a quiet spell is bounded by it).
 WORKER_TIMEOUT_MS: Final = 100
+#: Worker threads per process. An ingest message holds its thread until its events
+#: are committed, so threads x events per message bounds what a process has in flight:
+#: with 16, messages of a few events each could not be ingested at 2,000/s.
+DEFAULT_THREADS: Final = 64
+#: A process that only projects needs few: its messages are wake-ups.
+PROJECT_THREADS: Final = 8
 #: Daemon status records expire when a daemon stops refreshing them.
 DAEMON_TTL_S: Final = 30
 

@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from workers.broker import QUEUES
+from workers.broker import DEFAULT_THREADS, QUEUES
 
 REDIS_HELP = "broker URL (default $MEMLEDGER_REDIS_URL or redis://127.0.0.1:6379/0)"
 
@@ -23,7 +23,9 @@ def _parsers(sub: Any) -> None:
     w = sub.add_parser("worker", help="run the worker daemon: ingest, projections, sweep")
     w.add_argument("--processes", type=int, default=1,
                    help="worker processes (default 1; more: this process supervises them)")
-    w.add_argument("--threads", type=int, default=16, help="worker threads per process")
+    w.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"worker threads per process (default {DEFAULT_THREADS}; each holds "
+                   "one message until its events are committed)")
     w.add_argument("--queues", nargs="+", choices=QUEUES, default=list(QUEUES),
                    help="queues to consume (default both: ingest project)")
     w.add_argument("--sweep-interval", type=float, default=2.0,

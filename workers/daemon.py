@@ -44,6 +44,7 @@ from workers.broker import (
     HEARTBEAT_INTERVAL_S,
     INGEST_QUEUE,
     PROJECT_QUEUE,
+    PROJECT_THREADS,
     QUEUES,
     WORKER_TIMEOUT_MS,
     LedgerBroker,
@@ -236,15 +237,16 @@ def roles(settings: Settings) -> list[Settings]:
     """The settings of each worker process of a daemon.
 
     With both queues and several processes, the first process projects (project queue
-    and sweep) and the others ingest: the two jobs then use separate cores instead of
-    taking turns on one process's loop. Otherwise every process does what was asked.
+    and sweep, at most `PROJECT_THREADS` threads: its messages are only wake-ups) and
+    the others ingest: the two jobs then use separate cores instead of taking turns on
+    one process's loop. Otherwise every process does what was asked.
     """
     one = replace(settings, processes=1)
     n = settings.processes
     if n == 1 or not (settings.projects and settings.ingests):
         return [one] * n
-    return [replace(one, queues=(PROJECT_QUEUE,))] + [replace(one, queues=(INGEST_QUEUE,))] * (
-        n - 1)
+    project = replace(one, queues=(PROJECT_QUEUE,), threads=min(one.threads, PROJECT_THREADS))
+    return [project] + [replace(one, queues=(INGEST_QUEUE,))] * (n - 1)
 
 
 async def supervise(settings: Settings) -> int:

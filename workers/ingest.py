@@ -61,7 +61,7 @@ class AppendBatcher:
     so they share one transaction (each event still its own atomic request).
     """
 
-    def __init__(self, store: Store, *, linger: float = 0.01, max_events: int = 1000) -> None:
+    def __init__(self, store: Store, *, linger: float = 0.002, max_events: int = 1000) -> None:
         self.store = store
         self.linger = linger
         self.max_events = max_events

@@ -16,7 +16,14 @@ from typing import Any
 import structlog
 
 from ledger.errors import MemledgerError
-from workers.broker import INGEST_QUEUE, PROJECT_QUEUE, QUEUES, LedgerBroker, safe_url
+from workers.broker import (
+    DEFAULT_THREADS,
+    INGEST_QUEUE,
+    PROJECT_QUEUE,
+    QUEUES,
+    LedgerBroker,
+    safe_url,
+)
 from workers.ingest import AppendBatcher
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
@@ -39,7 +46,7 @@ class Settings:
     register_path: str | None = None
     queues: tuple[str, ...] = QUEUES
     processes: int = 1
-    threads: int = 16
+    threads: int = DEFAULT_THREADS
     sweep_interval: float = DEFAULT_SWEEP_S
 
     def __post_init__(self) -> None:
