@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from ledger import schema as t
 from ledger.errors import (
+    BrokerUnavailable,
     ConcurrencyConflict,
     IdempotencyConflict,
     StoreUnavailable,
@@ -240,6 +241,18 @@ def test_publish_validates_locally_then_sends(broker_url: str) -> None:
     stored = repr(broker.client.hgetall(f"memledger:{INGEST_QUEUE}.msgs"))
     assert "4111" not in stored
     broker.client.close()
+
+
+def test_publisher_sees_the_backlog_it_may_slow_down_for(broker_url: str) -> None:
+    """`backlog()` counts the messages no worker has taken yet (back-pressure is the
+    publisher's to apply); with the broker down it raises, never guesses."""
+    with Publisher(broker_url, batch_size=10) as pub:
+        assert pub.backlog() == 0
+        pub.publish([write(f"k{i}", i, idem=f"bp-{i}") for i in range(35)])
+        assert pub.backlog() == 4
+    with Publisher(f"redis://127.0.0.1:{free_port()}/0") as down, \
+            pytest.raises(BrokerUnavailable):
+        down.backlog()
 
 
 def test_publish_to_a_down_broker_reports_not_sent() -> None:

@@ -10,6 +10,10 @@ broker holds it; the daemons then append it, at least once and idempotently.
     from workers.publish import publish
     for r in publish(events, redis_url="redis://127.0.0.1:6379/0"):
         if r.status != "published": ...   # tell the user it was not saved
+
+Back-pressure is the publisher's to apply: `Publisher.backlog()` says how many messages
+wait in the ingest queue, so an app can slow down (or tell its users that saving is
+delayed) while the daemons are behind. Publishing itself never blocks on a backlog.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from dramatiq import Message
 from ledger.errors import BrokerUnavailable, ValidationError
 from ledger.events import Event
 from ledger.validation import parse_event
-from workers.broker import INGEST_ACTOR, INGEST_QUEUE, LedgerBroker, redis_url, safe_url
+from workers.broker import (
+    INGEST_ACTOR,
+    INGEST_QUEUE,
+    LedgerBroker,
+    queue_depths,
+    redis_url,
+    safe_url,
+)
 
 log = structlog.get_logger("memledger.workers")
 
@@ -105,6 +116,16 @@ class Publisher:
             raise BrokerUnavailable(
                 f"broker {safe_url(self.url)} unavailable ({str(e)[:200]}); the event was "
                 "not sent: publish it again later, or append it directly") from e
+
+    def backlog(self) -> int:
+        """Messages waiting in the ingest queue, not yet taken by a worker (sent ones
+        and ones sent again after a delay that is over): one Redis round trip. Raises
+        `BrokerUnavailable`."""
+        try:
+            return queue_depths(self.broker.client, (INGEST_QUEUE,))[INGEST_QUEUE]["ready"]
+        except (redis.RedisError, OSError) as e:
+            raise BrokerUnavailable(
+                f"broker {safe_url(self.url)} unavailable ({str(e)[:200]})") from e
 
     def publish(self, events: Iterable[Event | dict[str, Any] | bytes | str], *,
                 start: int = 1) -> list[PublishResult]:
