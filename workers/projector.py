@@ -22,11 +22,10 @@ Inside a pass the urgent projections go first, and again before every batch of t
 others whenever new events were committed meanwhile, so a slow projection (the vector
 index costs about half of all projection work) never holds the active-memory view back.
 While appends are arriving the other projections are stepped in *slices* sized to hold
-the write lock about `SLICE_S` (estimated from their measured cost per position), and
-after each step the projector stays off the lock for as long as it held it, or until
-the next commit shows that the appender got its turn. SQLite has one write lock, and a
-waiting appender only polls for it (busy timeout), so back-to-back projection
-transactions would starve it. When the ledger is quiet the projector runs flat out.
+the write lock about `SLICE_S` (estimated from their measured cost per position), so an
+append waiting for its turn at the lock (`workers.turns`) never waits long behind one;
+urgent projections always take whole batches. When the ledger is quiet the projector
+runs in whole batches throughout.
 
 Lost, duplicated or reordered wake-ups change nothing but timing; the sweep bounds the
 delay when wake-ups are lost altogether. Across processes and machines the checkpoint
@@ -77,15 +76,13 @@ class Projector:
     """Runs every projection of a store in passes, one pass at a time."""
 
     def __init__(self, store: Store, runner: Runner | None = None, *,
-                 min_interval: float = MIN_PASS_INTERVAL_S, share: bool = False,
+                 min_interval: float = MIN_PASS_INTERVAL_S,
                  urgent: tuple[str, ...] = URGENT,
                  catch_up_interval: float = CATCH_UP_INTERVAL_S) -> None:
         self.store = store
         self.runner = runner or Runner(store)
         self.min_interval = min_interval
         self.catch_up_interval = catch_up_interval
-        #: This process ingests too: leave it as much time between passes as a pass took.
-        self.share = share
         self.urgent = [p for p in self.runner.projections if p.name in urgent]
         self.others = [p for p in self.runner.projections if p.name not in urgent]
         #: The largest batch: the runner's own batch size (used as is when quiet).
@@ -139,22 +136,20 @@ class Projector:
 
     async def _loop(self) -> None:
         assert self._dirty is not None
-        ended = took = 0.0
+        ended = 0.0
         while True:
             await self._dirty.wait()
             # Leave room between passes: commits arriving meanwhile are projected
-            # together. When this process ingests too, the pause is as long as the last
-            # pass, so its appends get the (SQLite) write lock, and the process's one
-            # loop, at least half the time.
-            rest = max(self.min_interval, took) if self.share else self.min_interval
-            pause = ended + rest - time.monotonic()
+            # together. (Appends get the write lock between any two batches: their
+            # transactions queue for it with ours, `workers.turns`, also when this
+            # process ingests too.)
+            pause = ended + self.min_interval - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)
             self._dirty.clear()
             waiters, self._pending = self._pending, []
             full = bool(waiters) or not self._active() or (
                 time.monotonic() - self._caught_up_at >= self.catch_up_interval)
-            started = time.monotonic()
             try:
                 await self.run_pass(full=full)
             except asyncio.CancelledError:
@@ -170,7 +165,6 @@ class Projector:
                 continue
             finally:
                 ended = time.monotonic()
-                took = ended - started
             for w in waiters:
                 if not w.done():
                     w.set_result(None)

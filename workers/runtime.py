@@ -80,7 +80,7 @@ class Runtime:
         # Write transactions take turns with the other worker processes (SQLite).
         self.store = TurnStore(settings.db_url, register_path=settings.register_path)
         self.append = AppendBatcher(self.store)
-        self.projector = (Projector(self.store, share=settings.ingests) if settings.projects
+        self.projector = (Projector(self.store) if settings.projects
                           else None)
         self.wakes = WakeSender(broker_sender(broker), label=safe_url(broker.url))
         self.store.on_commit(self._committed)
