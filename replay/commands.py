@@ -26,7 +26,10 @@ def _add_parsers(sub: Any) -> None:
     rb.add_argument("--restart", action="store_true",
                     help="start over even if an interrupted rebuild could be resumed")
     rb.add_argument("--batch-size", type=int, default=4000,
-                    help="events per transaction (default 4000)")
+                    help="events, slots, tasks or entries per transaction (default 4000)")
+    rb.add_argument("--event-by-event", action="store_true",
+                    help="replay each view as the live projections do instead of bulk "
+                         "loading it (slower; the same rows)")
     rb.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     au = actions.add_parser("audit", help="the history of a memory, key or task, and the "
@@ -77,7 +80,8 @@ async def cmd_rebuild(args: argparse.Namespace) -> int:
     try:
         try:
             res = await rebuild(store, args.projection, restart=args.restart,
-                                batch_size=args.batch_size, progress=not args.quiet)
+                                batch_size=args.batch_size, progress=not args.quiet,
+                                bulk=not args.event_by_event)
         except ValidationError as e:
             if e.field != "--projection":
                 raise

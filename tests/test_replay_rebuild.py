@@ -128,3 +128,6 @@ def test_rebuild_cli(db_url: str, tmp_path: Path) -> None:
     bad = cli.run("replay", "rebuild", "--projection", "nope", check=2)
     assert b"unknown projection" in bad.stderr
     assert cli.json("replay", "verify")["ok"]
+    slow = cli.json("replay", "rebuild", "--event-by-event", "--quiet", "--batch-size", "3")
+    assert all(p["events"] == len(story()) for p in slow["projections"].values())
+    assert cli.json("replay", "verify")["ok"]
