@@ -28,9 +28,7 @@ complete set of facts up to the same position.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
@@ -86,26 +84,6 @@ async def write_state(conn: AsyncConnection, projection: str, state: State | Non
     else:
         await conn.execute(t.meta.insert().values(name=meta_name(projection),
                                                   value=orjson.dumps(state).decode()))
-
-
-@contextlib.contextmanager
-def no_gc_pauses() -> Iterator[None]:
-    """Hold CPython's cyclic garbage collector off for the duration of one step.
-
-    A step allocates tens of thousands of containers (decoded payloads, rows) that
-    live until the step ends; each allocation burst triggers collections that walk
-    them all again, which tripled the cost of decoding a payload here (2.4 -> 7.9 us
-    for a 465-byte event). Reference counting still frees everything at the end of
-    the step; cycles, if any, wait for the next collection.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def finished(state: State) -> tuple[None, int]:

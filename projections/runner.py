@@ -9,10 +9,12 @@ batch twice, and a killed holder's lock dies with its connection.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, Protocol, runtime_checkable
 
 import orjson
@@ -61,6 +63,27 @@ class BulkLoadable(Protocol):
         Returns the state to record (None when the load is complete) and the positions
         of progress to report (at least 1).
         """
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Hold CPython's cyclic garbage collector off for the duration of one batch.
+
+    A batch allocates thousands of containers (decoded events, facts, rows) that live
+    until it ends; the collections their allocation triggers walk them all again, and
+    in a process with a large heap a full collection lands in the middle of a batch.
+    Measured on a bulk load, decoding a 465-byte payload cost 7.9 us with the
+    collector on and 2.4 us with it off. Reference counting still frees everything at
+    the end of the batch; cycles, if any, wait for the next collection.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
@@ -415,6 +438,10 @@ class Runner:
 
     async def step(self, proj: Projection, upto: int | None = None) -> int:
         """Apply one batch to one projection; returns how many positions it moved."""
+        with no_gc_pauses():
+            return await self._step(proj, upto)
+
+    async def _step(self, proj: Projection, upto: int | None) -> int:
         cp = t.checkpoints.c
         async with self.store.view_write() as conn:
             q = select(cp.position).where(cp.name == proj.name)
@@ -465,8 +492,7 @@ class Runner:
         if state is None:
             return None
         started = time.perf_counter()
-        with bulk.no_gc_pauses():
-            new, moved = await proj.bulk_step(self.store, conn, state, self.batch_size)
+        new, moved = await proj.bulk_step(self.store, conn, state, self.batch_size)
         await bulk.write_state(conn, proj.name, new)
         if new is None:
             await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
