@@ -114,12 +114,18 @@ class Source:
 
     def to_wire(self) -> dict[str, Any]:
         """The wire form, omitting absent optional fields."""
-        out: dict[str, Any] = {"kind": self.kind, "id": self.id, "at": self.at}
-        if self.seq is not None:
-            out["seq"] = self.seq
-        if self.event_id is not None:
-            out["event_id"] = self.event_id
-        return out
+        return source_wire(self.kind, self.id, self.at, self.seq, self.event_id)
+
+
+def source_wire(kind: str, sid: str, at: str, seq: int | None, event_id: str | None
+                ) -> dict[str, Any]:
+    """A source's wire form from its fields (the `events` envelope columns hold them)."""
+    out: dict[str, Any] = {"kind": kind, "id": sid, "at": at}
+    if seq is not None:
+        out["seq"] = seq
+    if event_id is not None:
+        out["event_id"] = event_id
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
   views once they have reached the head, embedded in large batches.
 
 Memory stays bounded by a step whatever the ledger size. Each step commits with its
-progress (`meta` row `<projection>.bulk`, JSON) under the projection's checkpoint lock,
+progress (`meta` row `<projection>.bulk`, JSON: `projections.runner.read_bulk_state`)
+under the projection's checkpoint lock,
 taken by `projections.runner.Runner.step`, which runs the next step for any runner
 while the row exists: the CLI, a worker daemon, or a later `replay rebuild` that
 resumes a killed one. The last step removes the row and moves the checkpoint to `H`
@@ -31,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-import orjson
 from sqlalchemy import and_, exists, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -40,7 +40,6 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import STORED_COLUMNS, Store, stored_from_row
 from projections.memory import WRITE_COLUMNS, WriteFact, marks_of, write_fact_of_row
 from projections.runner import (
-    BULK_SUFFIX,
     insert_rows,
     mark_row,
     note_row,
@@ -48,42 +47,10 @@ from projections.runner import (
     summarize_tasks,
 )
 
-#: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
-#: rebuild` sets them; a bulk load's last step removes its projection's).
-REBUILD_MARKER: Final = "rebuild:"
 #: Positions scanned per step of a phase that reads a few event types out of all.
 SCAN_SPAN: Final = 50_000
 
 State = dict[str, Any]
-
-
-def meta_name(projection: str) -> str:
-    """The `meta` row holding a projection's bulk-load state."""
-    return projection + BULK_SUFFIX
-
-
-async def read_state(conn: AsyncConnection, projection: str) -> State | None:
-    """The bulk-load state of a projection, or None when none is in progress."""
-    row = (await conn.execute(select(t.meta.c.value).where(
-        t.meta.c.name == meta_name(projection)))).first()
-    if row is None:
-        return None
-    state: State = orjson.loads(row[0])
-    return state
-
-
-async def write_state(conn: AsyncConnection, projection: str, state: State | None) -> None:
-    """Record (or, with None, end) a projection's bulk load, inside `conn`'s transaction.
-
-    Ending it also ends the rebuild it belongs to: the view is complete at its head.
-    """
-    m = t.meta.c
-    await conn.execute(t.meta.delete().where(m.name == meta_name(projection)))
-    if state is None:
-        await conn.execute(t.meta.delete().where(m.name == REBUILD_MARKER + projection))
-    else:
-        await conn.execute(t.meta.insert().values(name=meta_name(projection),
-                                                  value=orjson.dumps(state).decode()))
 
 
 def finished(state: State) -> tuple[None, int]:
@@ -96,6 +63,15 @@ def progressed(state: State, n: int) -> tuple[State, int]:
     n = max(1, n)
     state["reported"] = int(state.get("reported", 0)) + n
     return state, n
+
+
+async def page_after(conn: AsyncConnection, q: Any, key: Sequence[Any],
+                     after: Sequence[Any] | None, size: int) -> Sequence[Any]:
+    """The next `size` rows of `q` in `key` order after the key values `after` (None:
+    from the start): keyset paging, so each step reads only its own rows."""
+    if after is not None:
+        q = q.where(tuple_(*key) > tuple_(*after))
+    return (await conn.execute(q.order_by(*key).limit(size))).all()
 
 
 async def fetch(store: Store, conn: AsyncConnection, stmt: Any) -> Sequence[Sequence[Any]]:
@@ -196,12 +172,9 @@ async def tasks_step(store: Store, conn: AsyncConnection, state: State,
             state.update(phase="tasks", after=None)
         return progressed(state, len(batch))
     tn = t.task_notes.c
-    q = select(tn.tenant, tn.task_key).distinct()
-    if state.get("after") is not None:
-        tenant, task_key = state["after"]
-        q = q.where(tuple_(tn.tenant, tn.task_key) > tuple_(tenant, task_key))
-    keys = [(r[0], r[1]) for r in (await conn.execute(
-        q.order_by(tn.tenant, tn.task_key).limit(size))).all()]
+    keys = [(r[0], r[1]) for r in await page_after(
+        conn, select(tn.tenant, tn.task_key).distinct(), (tn.tenant, tn.task_key),
+        state.get("after"), size)]
     if keys:
         await summarize_tasks(store, conn, keys, head)
     if len(keys) < size:

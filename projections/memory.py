@@ -8,7 +8,7 @@ Expiry is decided at read time, because "now" is not a fact of the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from ledger.events import (
     USER_KINDS,
     encode_json,
     parse_rfc3339,
+    source_wire,
     to_us,
 )
 from ledger.store import StoredEvent, Tombstone
@@ -67,9 +68,22 @@ class Mark:
     owner: str | None = None
 
 
-def source_json(se: StoredEvent) -> bytes:
-    """The source of an event as stored beside its view row."""
-    return encode_json({**se.source.to_wire(), "actor": se.actor})
+def _fact(tenant: str, memory_id: str, slot: str, nsp: str, key: str, layer: str | None,
+          task_key: str | None, position: int, order: bytes, actor: str,
+          source: dict[str, Any], data: Mapping[str, Any], supersedes: str | None,
+          suppressed: bool) -> WriteFact:
+    """A write fact from the envelope's fields, the source's wire form and the `data`
+    (empty once the content is erased)."""
+    return WriteFact(
+        tenant=tenant, memory_id=memory_id, slot=slot, ns_path=nsp, key=key,
+        layer=layer or "long", task_key=task_key, session_id=data.get("session_id"),
+        position=position, order=order,
+        candidate=layer == "long" and source["kind"] in CANDIDATE_KINDS, actor=actor,
+        source=encode_json({**source, "actor": actor}),
+        value=encode_json(data["value"]) if "value" in data else None,
+        text=data.get("text"), scope=data.get("scope"), supersedes=supersedes,
+        expires_at=data.get("expires_at"), suppressed=suppressed,
+    )
 
 
 #: The `events` columns `write_fact_of_row` reads, in its order (payload last).
@@ -88,37 +102,19 @@ def write_fact_of_row(r: Sequence[Any]) -> WriteFact:
     """
     (position, tenant, actor, kind, sid, at, seq, event_id, order, slot, memory_id, nsp,
      key, layer, task_key, supersedes, suppressed, payload) = r
-    src: dict[str, Any] = {"kind": kind, "id": sid, "at": at, "actor": actor}
-    if seq is not None:
-        src["seq"] = seq
-    if event_id is not None:
-        src["event_id"] = event_id
-    d = orjson.loads(payload)["data"] if payload is not None else {}
-    return WriteFact(
-        tenant=tenant, memory_id=memory_id, slot=slot, ns_path=nsp, key=key,
-        layer=layer or "long", task_key=task_key, session_id=d.get("session_id"),
-        position=int(position), order=bytes(order),
-        candidate=layer == "long" and kind in CANDIDATE_KINDS, actor=actor,
-        source=encode_json(src), value=encode_json(d["value"]) if "value" in d else None,
-        text=d.get("text"), scope=d.get("scope"), supersedes=supersedes,
-        expires_at=d.get("expires_at"), suppressed=bool(suppressed) or payload is None,
-    )
+    data = orjson.loads(payload)["data"] if payload is not None else {}
+    return _fact(tenant, memory_id, slot, nsp, key, layer, task_key, int(position),
+                 bytes(order), actor, source_wire(kind, sid, at, seq, event_id), data,
+                 supersedes, bool(suppressed) or payload is None)
 
 
 def write_fact(se: StoredEvent) -> WriteFact:
     """The write fact of a `memory.written` / `memory.corrected` stored event."""
     assert se.type in MEMORY_WRITES and se.slot and se.memory_id and se.ns_path and se.mkey
-    candidate = se.layer == "long" and se.source.kind in CANDIDATE_KINDS
-    d = se.event.data if se.event is not None else {}
-    return WriteFact(
-        tenant=se.tenant, memory_id=se.memory_id, slot=se.slot, ns_path=se.ns_path,
-        key=se.mkey, layer=se.layer or "long", task_key=se.task_key,
-        session_id=d.get("session_id"), position=se.position, order=se.order_key,
-        candidate=candidate, actor=se.actor, source=source_json(se),
-        value=encode_json(d["value"]) if "value" in d else None, text=d.get("text"),
-        scope=d.get("scope"), supersedes=se.supersedes, expires_at=d.get("expires_at"),
-        suppressed=se.suppressed or se.event is None,
-    )
+    return _fact(se.tenant, se.memory_id, se.slot, se.ns_path, se.mkey, se.layer,
+                 se.task_key, se.position, se.order_key, se.actor, se.source.to_wire(),
+                 se.event.data if se.event is not None else {}, se.supersedes,
+                 se.suppressed or se.event is None)
 
 
 def marks_of(se: StoredEvent) -> list[Mark]:

@@ -36,6 +36,9 @@ log = structlog.get_logger("memledger.projections")
 WRITE_TYPES = tuple(MEMORY_WRITES)
 #: `meta` row of a bulk load in progress: `<projection name>` + this (`projections.bulk`).
 BULK_SUFFIX: Final = ".bulk"
+#: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
+#: rebuild` sets them; a bulk load's last step removes its projection's).
+REBUILD_MARKER: Final = "rebuild:"
 TASK_CONTENT_TYPES = ("task.opened", "task.noted", "task.closed")
 
 
@@ -84,6 +87,33 @@ def no_gc_pauses() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+async def read_bulk_state(conn: AsyncConnection, projection: str) -> dict[str, Any] | None:
+    """The bulk-load state of a projection, or None when none is in progress."""
+    row = (await conn.execute(select(t.meta.c.value).where(
+        t.meta.c.name == projection + BULK_SUFFIX))).first()
+    if row is None:
+        return None
+    state: dict[str, Any] = orjson.loads(row[0])
+    return state
+
+
+async def write_bulk_state(conn: AsyncConnection, projection: str,
+                           state: dict[str, Any] | None) -> None:
+    """Record (or, with None, end) a projection's bulk load, inside `conn`'s transaction.
+
+    A load starts with the checkpoint at 0 (`replay.rebuild.reset_projection`) and its
+    last step moves it to the load's head, so a checkpoint above 0 means no load runs.
+    Ending it also ends the rebuild it belongs to: the view is complete at its head.
+    """
+    m = t.meta.c
+    await conn.execute(t.meta.delete().where(m.name == projection + BULK_SUFFIX))
+    if state is None:
+        await conn.execute(t.meta.delete().where(m.name == REBUILD_MARKER + projection))
+    else:
+        await conn.execute(t.meta.insert().values(name=projection + BULK_SUFFIX,
+                                                  value=orjson.dumps(state).decode()))
 
 
 def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
@@ -436,12 +466,14 @@ class Runner:
         self.projections = list(projections or default_projections())
         self.batch_size = batch_size
 
-    async def step(self, proj: Projection, upto: int | None = None) -> int:
-        """Apply one batch to one projection; returns how many positions it moved."""
+    async def step(self, proj: Projection, upto: int | None = None,
+                   size: int | None = None) -> int:
+        """Apply one batch of at most `size` positions (default: `batch_size`) to one
+        projection; returns how many positions it moved."""
         with no_gc_pauses():
-            return await self._step(proj, upto)
+            return await self._step(proj, upto, size or self.batch_size)
 
-    async def _step(self, proj: Projection, upto: int | None) -> int:
+    async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
         cp = t.checkpoints.c
         async with self.store.view_write() as conn:
             q = select(cp.position).where(cp.name == proj.name)
@@ -453,10 +485,11 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
-            # Read in a statement of its own, after the lock: on PostgreSQL a subquery of
-            # the locking SELECT would see the snapshot from before the wait.
-            if isinstance(proj, BulkLoadable):
-                moved = await self._bulk_step(proj, conn)
+            # Only at 0 can a bulk load be running. Its state is read in a statement of
+            # its own, after the lock: on PostgreSQL a subquery of the locking SELECT
+            # would see the snapshot from before the wait.
+            if position == 0 and isinstance(proj, BulkLoadable):
+                moved = await self._bulk_step(proj, conn, size)
                 if moved is not None:
                     return moved
             end = upto if upto is not None else await self.store.head(conn)
@@ -464,10 +497,9 @@ class Runner:
                 return 0
             # Positions are gap-free, so a batch is a range of positions; a projection
             # that names its event types reads only those, and still moves past the rest.
-            hi = min(position + self.batch_size, end)
+            hi = min(position + size, end)
             types = getattr(proj, "types", None)
-            batch = await self.store.read_events(conn, position, self.batch_size, hi,
-                                                 types=types)
+            batch = await self.store.read_events(conn, position, size, hi, types=types)
             started = time.perf_counter()
             if batch:
                 await proj.apply(self.store, conn, batch)
@@ -480,20 +512,19 @@ class Runner:
             await self.store.sqlite_checkpoint()
         return hi - position
 
-    async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection) -> int | None:
+    async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection,
+                         size: int) -> int | None:
         """Run the next step of the projection's bulk load, if one is in progress.
 
         Returns the positions of progress it reports (at least 1), or None when there
         is no bulk load. The last step moves the checkpoint to the load's head.
         """
-        from projections import bulk  # bulk builds on this module
-
-        state = await bulk.read_state(conn, proj.name)
+        state = await read_bulk_state(conn, proj.name)
         if state is None:
             return None
         started = time.perf_counter()
-        new, moved = await proj.bulk_step(self.store, conn, state, self.batch_size)
-        await bulk.write_state(conn, proj.name, new)
+        new, moved = await proj.bulk_step(self.store, conn, state, size)
+        await write_bulk_state(conn, proj.name, new)
         if new is None:
             await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
                                .values(position=int(state["head"]), updated_at=time.time()))
@@ -516,11 +547,14 @@ class Runner:
             applied[proj.name] = n
         return applied
 
-    async def positions(self) -> dict[str, int]:
-        """Each projection's checkpoint position."""
-        await self.store.open()
+    async def positions(self, conn: AsyncConnection | None = None) -> dict[str, int]:
+        """Each projection's checkpoint position (read in `conn`, if given; no lock)."""
         cp = t.checkpoints.c
-        async with self.store.read() as conn:
+        if conn is None:
+            await self.store.open()
+            async with self.store.read() as c:
+                rows = (await c.execute(select(cp.name, cp.position))).all()
+        else:
             rows = (await conn.execute(select(cp.name, cp.position))).all()
         found = {r[0]: int(r[1]) for r in rows}
         return {p.name: found.get(p.name, 0) for p in self.projections}

@@ -29,13 +29,13 @@ from typing import Any, Final
 import numpy as np
 import orjson
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, or_, select, tuple_
+from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.store import Store, StoredEvent, Tombstone
-from projections.bulk import finished, progressed
+from projections.bulk import finished, page_after, progressed
 from projections.embedding import Embedder, get_embedder
 from projections.reads import not_forgotten, prefix_match, task_not_forgotten
 from projections.runner import covered_slots, insert_rows
@@ -252,29 +252,24 @@ class VectorProjection:
         mv, tv = t.mem_versions.c, t.tasks_view.c
         emb = self.embedder
         if state["phase"] == "memories":
-            q = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
-                       mv.session_id, mv.value, mv.text).where(
-                mv.status == "active", not_forgotten())
-            if state["after"] is not None:
-                q = q.where(tuple_(mv.tenant, mv.memory_id) > tuple_(*state["after"]))
-            rows = (await conn.execute(q.order_by(mv.tenant, mv.memory_id).limit(size))).all()
+            rows = await page_after(conn, select(
+                mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
+                mv.session_id, mv.value, mv.text).where(mv.status == "active", not_forgotten()),
+                (mv.tenant, mv.memory_id), state["after"], size)
             await insert_rows(store, conn, t.vectors, memory_entries(emb, rows))
             if len(rows) == size:
                 state["after"] = [rows[-1].tenant, rows[-1].memory_id]
             else:
                 state.update(phase="tasks", after=None)
             return progressed(state, len(rows))
-        qt = select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
+        rows = await page_after(conn, select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
             tv.status == "open", tv.purged.is_(False), tv.ns_path.is_not(None),
-            task_not_forgotten())
-        if state["after"] is not None:
-            qt = qt.where(tuple_(tv.tenant, tv.task_key) > tuple_(*state["after"]))
-        trows = (await conn.execute(qt.order_by(tv.tenant, tv.task_key).limit(size))).all()
-        await insert_rows(store, conn, t.vectors, task_entries(emb, trows))
-        if len(trows) < size:
+            task_not_forgotten()), (tv.tenant, tv.task_key), state["after"], size)
+        await insert_rows(store, conn, t.vectors, task_entries(emb, rows))
+        if len(rows) < size:
             return finished(state)
-        state["after"] = [trows[-1].tenant, trows[-1].task_key]
-        return progressed(state, len(trows))
+        state["after"] = [rows[-1].tenant, rows[-1].task_key]
+        return progressed(state, len(rows))
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:

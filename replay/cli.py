@@ -151,7 +151,7 @@ async def status_report(store: Store) -> dict[str, Any]:
     from sqlalchemy import func, select
 
     from ledger import schema as t
-    from projections.runner import Runner
+    from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
 
     runner = Runner(store)
     head = await store.head()
@@ -163,15 +163,15 @@ async def status_report(store: Store) -> dict[str, Any]:
                       .scalar() or 0)
         m = t.meta.c
         meta = {r[0]: r[1] for r in (await conn.execute(select(m.name, m.value).where(
-            m.name.startswith("rebuild:", autoescape=True)
-            | m.name.endswith(".bulk", autoescape=True)))).all()}
+            m.name.startswith(REBUILD_MARKER, autoescape=True)
+            | m.name.endswith(BULK_SUFFIX, autoescape=True)))).all()}
     projections: dict[str, Any] = {}
     for n, p in positions.items():
         projections[n] = {"position": p, "lag": head - p}
-        if "rebuild:" + n in meta:
-            projections[n]["rebuilding_since"] = meta["rebuild:" + n]
-        if n + ".bulk" in meta:
-            load = orjson.loads(meta[n + ".bulk"])
+        if REBUILD_MARKER + n in meta:
+            projections[n]["rebuilding_since"] = meta[REBUILD_MARKER + n]
+        if n + BULK_SUFFIX in meta:
+            load = orjson.loads(meta[n + BULK_SUFFIX])
             projections[n]["bulk_load"] = {"head": load.get("head"),
                                            "phase": load.get("phase")}
     report: dict[str, Any] = {

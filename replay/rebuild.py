@@ -39,14 +39,18 @@ from ledger.store import (
     tombstone_row,
 )
 from ledger.validation import parse_event
-from projections.bulk import REBUILD_MARKER, write_state
-from projections.runner import BulkLoadable, Projection, Runner, erase_payloads
+from projections.runner import (
+    REBUILD_MARKER,
+    BulkLoadable,
+    Projection,
+    Runner,
+    erase_payloads,
+    write_bulk_state,
+)
 from replay.progress import Progress
 
 log = structlog.get_logger("memledger.replay")
 
-#: `meta` rows marking a rebuild in progress: `rebuild:<projection name>`.
-MARKER_PREFIX: Final = REBUILD_MARKER
 #: Events per transaction in a rebuild. Larger than the runner's live default: a batch's
 #: fixed cost (its slot and task queries) is spread over more events, which doubles the
 #: memories projection's rate on SQLite; memory stays bounded by the batch.
@@ -224,16 +228,16 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
                                                                    autoescape=True)))
         await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
                            .values(position=0, updated_at=time.time()))
-        await conn.execute(delete(t.meta).where(m.name == MARKER_PREFIX + proj.name))
-        await conn.execute(t.meta.insert().values(name=MARKER_PREFIX + proj.name,
+        await conn.execute(delete(t.meta).where(m.name == REBUILD_MARKER + proj.name))
+        await conn.execute(t.meta.insert().values(name=REBUILD_MARKER + proj.name,
                                                   value=now_iso()))
         if bulk and isinstance(proj, BulkLoadable):
-            await write_state(conn, proj.name, {"head": await store.head(conn)})
+            await write_bulk_state(conn, proj.name, {"head": await store.head(conn)})
 
 
 async def _clear_marker(store: Store, name: str) -> None:
     async with store.view_write() as conn:
-        await conn.execute(delete(t.meta).where(t.meta.c.name == MARKER_PREFIX + name))
+        await conn.execute(delete(t.meta).where(t.meta.c.name == REBUILD_MARKER + name))
 
 
 async def in_progress(store: Store) -> set[str]:
@@ -241,8 +245,8 @@ async def in_progress(store: Store) -> set[str]:
     m = t.meta.c
     async with store.read() as conn:
         rows = (await conn.execute(select(m.name).where(
-            m.name.startswith(MARKER_PREFIX, autoescape=True)))).all()
-    return {r[0][len(MARKER_PREFIX):] for r in rows}
+            m.name.startswith(REBUILD_MARKER, autoescape=True)))).all()
+    return {r[0][len(REBUILD_MARKER):] for r in rows}
 
 
 def select_projections(runner: Runner, names: Sequence[str] | None) -> list[Projection]:

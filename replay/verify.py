@@ -41,8 +41,7 @@ from ledger.store import (
     tombstone_from_row,
     tombstone_of,
 )
-from projections.bulk import write_state
-from projections.runner import BulkLoadable, Runner, dead_letter_covered
+from projections.runner import BulkLoadable, Runner, dead_letter_covered, write_bulk_state
 from replay.rebuild import REBUILD_BATCH, register_events
 from replay.rows import FORGETS, by_tenant, covering, row_dict, stream_rows
 
@@ -269,7 +268,7 @@ async def _compare_views(conn: AsyncConnection, store: Store, rep: Report,
                 if isinstance(proj, BulkLoadable):
                     # The scratch views are empty: bulk load them up to the live position.
                     async with scratch.view_write() as c:
-                        await write_state(c, proj.name, {"head": upto})
+                        await write_bulk_state(c, proj.name, {"head": upto})
                 while await runner.step(proj, upto):
                     pass
             tables: list[Any] = []

@@ -19,8 +19,7 @@ from sqlalchemy import select
 from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections import bulk
-from projections.runner import Runner
+from projections.runner import Runner, read_bulk_state
 from replay.cli import status_report
 from replay.rebuild import in_progress, rebuild, reset_projection
 from replay.verify import verify
@@ -32,7 +31,7 @@ from tests.test_replay_verify import at, load, story
 
 async def _bulk_state(store: Store, name: str) -> dict[str, object] | None:
     async with store.read() as conn:
-        return await bulk.read_state(conn, name)
+        return await read_bulk_state(conn, name)
 
 
 async def _checkpoint(store: Store, name: str) -> int:

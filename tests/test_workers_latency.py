@@ -188,9 +188,10 @@ class _Recording(Runner):
         self.more = list(more)
         self.appended_at: int | None = None
 
-    async def step(self, proj: Projection, upto: int | None = None) -> int:
+    async def step(self, proj: Projection, upto: int | None = None,
+                   size: int | None = None) -> int:
         self.calls.append((proj.name, upto))
-        n = await super().step(proj, upto)
+        n = await super().step(proj, upto, size)
         if proj.name not in URGENT and self.more:
             batch, self.more = self.more, []
             await self.store.append(batch)

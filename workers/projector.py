@@ -44,9 +44,7 @@ from collections.abc import Callable
 from typing import Final
 
 import structlog
-from sqlalchemy import func, select
 
-from ledger import schema as t
 from ledger.errors import MemledgerError
 from ledger.store import Store
 from projections.runner import Projection, Runner
@@ -183,17 +181,14 @@ class Projector:
 
     async def _state(self) -> tuple[int, dict[str, int]]:
         """The ledger head and every projection's checkpoint (reads only: no lock)."""
-        cp = t.checkpoints.c
         async with self.store.read_once() as conn:
-            head = int((await conn.execute(select(func.max(t.events.c.position)))).scalar()
-                       or 0)
-            rows = (await conn.execute(select(cp.name, cp.position))).all()
-        found = {r[0]: int(r[1]) for r in rows}
+            head = await self.store.head(conn)
+            at = await self.runner.positions(conn)
         if head > self._last_head:
             if self._last_head:
                 self._active_at = time.monotonic()
             self._last_head = head
-        return head, {p.name: found.get(p.name, 0) for p in self.runner.projections}
+        return head, at
 
     async def run_pass(self, *, full: bool = True) -> int:
         """Step the lagging projections; returns positions moved.
@@ -244,11 +239,7 @@ class Projector:
             want = int(slice_s / cost) if cost else self.max_batch // 5
             size = min(self.max_batch, max(MIN_SLICE, want))
         started = time.monotonic()
-        self.runner.batch_size = size
-        try:
-            n = await self.runner.step(proj, upto)
-        finally:
-            self.runner.batch_size = self.max_batch
+        n = await self.runner.step(proj, upto, size)
         if n >= MIN_SLICE // 2:
             per = (time.monotonic() - started) / n
             old = self._cost.get(proj.name)

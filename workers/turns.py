@@ -184,24 +184,19 @@ class TurnStore(Store):
         path = turn_path(self.url)
         self.turn = WriteTurn(path) if path is not None else None
 
+    def _in_turn(self) -> contextlib.AbstractAsyncContextManager[object]:
+        return self.turn.hold() if self.turn is not None else contextlib.nullcontext()
+
     @contextlib.asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """`Store.write`, in turn."""
-        if self.turn is None:
-            async with super().write() as conn:
-                yield conn
-            return
-        async with self.turn.hold(), super().write() as conn:
+        async with self._in_turn(), super().write() as conn:
             yield conn
 
     @contextlib.asynccontextmanager
     async def view_write(self) -> AsyncIterator[AsyncConnection]:
         """`Store.view_write`, in turn."""
-        if self.turn is None:
-            async with super().view_write() as conn:
-                yield conn
-            return
-        async with self.turn.hold(), super().view_write() as conn:
+        async with self._in_turn(), super().view_write() as conn:
             yield conn
 
     async def close(self) -> None:
