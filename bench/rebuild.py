@@ -115,6 +115,7 @@ def raw_view(db: Path) -> tuple[int, float]:
                                 d.get("session_id"), r[0], r[6], 1, "active", False, value,
                                 d.get("text"), d.get("scope"), r[13], None,
                                 d.get("expires_at"), None, r[2], source))
+                conn.execute("BEGIN")
                 conn.executemany(insert, out)
                 conn.commit()
                 n += len(out)
