@@ -209,7 +209,10 @@ def resolve_slot(writes: Sequence[WriteFact], marks: Sequence[Mark],
 
 
 def _row(w: WriteFact, status: str, erased: bool, superseded_by: str | None) -> dict[str, Any]:
-    expires_us = to_us(parse_rfc3339(w.expires_at)) if w.expires_at else None
+    # An erased write's expiry goes with its content: erasure removes it from the
+    # payload, so a rebuild after the erasure could not show it either.
+    expires_at = None if erased else w.expires_at
+    expires_us = to_us(parse_rfc3339(expires_at)) if expires_at else None
     return {
         "tenant": w.tenant, "memory_id": w.memory_id, "slot": w.slot, "ns_path": w.ns_path,
         "mkey": w.key, "layer": w.layer, "task_key": w.task_key,
@@ -218,7 +221,7 @@ def _row(w: WriteFact, status: str, erased: bool, superseded_by: str | None) -> 
         "value": None if erased else w.value, "text": None if erased else w.text,
         "scope": None if erased else w.scope, "supersedes": w.supersedes,
         "superseded_by": superseded_by if status == "superseded" else None,
-        "expires_at": w.expires_at, "expires_us": expires_us, "actor": w.actor,
+        "expires_at": expires_at, "expires_us": expires_us, "actor": w.actor,
         "source": w.source,
     }
 
