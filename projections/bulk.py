@@ -8,7 +8,13 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
 - memories: `marks` (every supersession and confirmation up to `H` into `mem_marks`, by
   position ranges), then `slots` (every write up to `H`, a range of slots per step in
   slot order, each slot resolved once from all of its writes with
-  `projections.runner.resolve_slots`, the function the live projection uses);
+  `projections.runner.resolve_slots`, the function the live projection uses). On
+  SQLite a step first writes its *plain* slots (one write, unmarked, content present,
+  no expiry: most of a ledger) with one `INSERT ... SELECT` that computes the row
+  `resolve_slot` would, JSON included, without Python touching it (checked byte for
+  byte against Python once a process, and by a property test); then `forgets`
+  re-resolves from the ledger any such slot a tombstone reaches, which SQL did not
+  look at (normally none: reapplying the register erases what forgets cover first);
 - tasks: `notes` (task events into `task_notes`), then `tasks` (a range of task keys
   per step, summarised by `projections.runner.summarize_tasks`);
 - vectors (`projections.vectors`): active memories, then open tasks, read from the
@@ -32,14 +38,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, exists, or_, select, tuple_
+from sqlalchemy import and_, delete, exists, or_, select, tuple_
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.events import MEMORY_WRITES, TASK_TYPES
-from ledger.store import STORED_COLUMNS, Store, stored_from_row
-from projections.memory import WRITE_COLUMNS, WriteFact, marks_of, write_fact_of_row
+from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, TASK_TYPES, encode_json
+from ledger.store import STORED_COLUMNS, Store, stored_from_row, tombstone_from_row
+from projections.memory import (
+    WRITE_COLUMNS,
+    WriteFact,
+    marks_of,
+    resolve_slot,
+    write_fact_of_row,
+)
 from projections.runner import (
+    covering,
     insert_rows,
     mark_row,
     note_row,
@@ -97,10 +111,11 @@ _DEFERRED_INDEXES: Final = tuple(t.mem_versions.indexes)
 
 async def memories_step(store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:
-    """One step of the memories bulk load (phases `marks`, then `slots`)."""
+    """One step of the memories bulk load (phases `marks`, `slots`, then `forgets`)."""
     head = int(state["head"])
     ev = t.events.c
-    if state.get("phase", "marks") == "marks":
+    phase = state.get("phase", "marks")
+    if phase == "marks":
         after = int(state.get("after", 0))
         hi = min(after + SCAN_SPAN, head)
         q = select(*STORED_COLUMNS).where(
@@ -115,6 +130,8 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
         else:
             state.update(phase="slots", after="")
         return progressed(state, len(marks))
+    if phase == "forgets":
+        return await _forgets_step(store, conn, state, size)
     if state["after"] == "" and store.dialect == "sqlite":
         # Loading into a table without its secondary indexes, then building them once
         # at the end, halves the cost of the inserts on SQLite.
@@ -124,12 +141,21 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
     bound = (await conn.execute(
         select(ev.slot).where(ev.slot > after_slot).order_by(ev.slot)
         .offset(size - 1).limit(1))).scalar()
-    mk = t.mem_marks.c
-    has_marks = exists().where(mk.tenant == ev.tenant, mk.target == ev.memory_id)
-    q = select(*[ev[c] for c in WRITE_COLUMNS], has_marks).where(
-        ev.slot > after_slot, ev.position <= head, ev.type.in_(tuple(MEMORY_WRITES)))
+    n = 0
+    in_sql = store.dialect == "sqlite" and await sql_rows_supported(conn)
+    if in_sql:
+        # Slots of one plain write go from `events` to the view in one statement.
+        n += await _insert_plain_slots(conn, after_slot, bound, head)
+        state["sql"] = True
+    mk, e = t.mem_marks.c, t.events.alias("e").c  # `e`: as `_PLAIN_SLOT` names it
+    has_marks = exists().where(mk.tenant == e.tenant, mk.target == e.memory_id)
+    q = select(*[e[c] for c in WRITE_COLUMNS], has_marks).where(
+        e.slot > after_slot, e.position <= head, e.type.in_(tuple(MEMORY_WRITES)))
     if bound is not None:
-        q = q.where(ev.slot <= bound)
+        q = q.where(e.slot <= bound)
+    if in_sql:  # what SQL left (the ledger refuses a second write of a memory id)
+        mv = t.mem_versions.c
+        q = q.where(~exists().where(mv.tenant == e.tenant, mv.memory_id == e.memory_id))
     slots: dict[str, list[WriteFact]] = {}
     marked: set[tuple[str, str]] = set()
     for r in await fetch(store, conn, q):
@@ -141,11 +167,170 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
     tombs = await store.tombstones(conn, tenants, upto=head) if tenants else []
     rows = await resolve_slots(conn, slots, tombs, marked)
     await insert_rows(store, conn, t.mem_versions, rows)
+    n += len(rows)
     if bound is not None:
         state["after"] = bound
-        return progressed(state, len(rows))
+        return progressed(state, n)
     await conn.run_sync(_create_indexes)
-    return finished(state)
+    if not state.get("sql"):
+        return finished(state)
+    state.update(phase="forgets", after=0, slot="")
+    return progressed(state, n)
+
+
+# The SQL path (SQLite): a slot that holds exactly one write up to the head, which
+# nothing marks, whose content is present and not suppressed, and which has no expiry,
+# resolves to one row computed from the event alone (`resolve_slot`'s first case), so
+# `INSERT ... SELECT` can write it without Python touching the row. Its one unknown is
+# tombstones: phase `forgets` re-resolves, from the ledger, every such slot a tombstone
+# up to the head reaches (after a forget is reapplied the writes it covers are erased,
+# and take the Python path anyway, so that phase usually finds nothing to do).
+
+_WRITES_SQL: Final = "(" + ", ".join(f"'{x}'" for x in sorted(MEMORY_WRITES)) + ")"
+_CANDIDATE_SQL: Final = ("(e.layer = 'long' AND e.source_kind IN ("
+                         + ", ".join(f"'{k}'" for k in sorted(CANDIDATE_KINDS)) + "))")
+_PAYLOAD: Final = "CAST(e.payload AS TEXT)"
+#: SQL, over `events AS e` with one parameter, the head: the write is its slot's only
+#: write up to the head and resolves without Python. A payload holding an escaped NUL
+#: is left to Python: SQLite's `->>` cuts a string at NUL.
+_PLAIN_SLOT: Final = (
+    "e.payload IS NOT NULL AND e.suppressed = 0"
+    f" AND instr({_PAYLOAD}, '\\u0000') = 0"
+    f" AND {_PAYLOAD} ->> '$.data.expires_at' IS NULL"
+    " AND NOT EXISTS (SELECT 1 FROM events AS o WHERE o.slot = e.slot"
+    f" AND o.position <> e.position AND o.position <= ? AND o.type IN {_WRITES_SQL})"
+    " AND NOT EXISTS (SELECT 1 FROM mem_marks AS m WHERE m.tenant = e.tenant"
+    " AND m.target = e.memory_id)")
+#: The source's wire form as `encode_json` writes it (keys sorted, absent seq and
+#: event id left out).
+_SOURCE_SQL: Final = (
+    """'{"actor":' || json_quote(e.actor) || ',"at":' || json_quote(e.source_at)"""
+    """ || CASE WHEN e.source_event_id IS NULL THEN ''"""
+    """ ELSE ',"event_id":' || json_quote(e.source_event_id) END"""
+    """ || ',"id":' || json_quote(e.source_id) || ',"kind":' || json_quote(e.source_kind)"""
+    """ || CASE WHEN e.source_seq IS NULL THEN '' ELSE ',"seq":' || e.source_seq END"""
+    """ || '}'""")
+#: Each `mem_versions` column of a plain slot's row, as SQL over `events AS e`.
+_PLAIN_ROW: Final = {
+    "tenant": "e.tenant", "memory_id": "e.memory_id", "slot": "e.slot",
+    "ns_path": "e.ns_path", "mkey": "e.mkey", "layer": "COALESCE(e.layer, 'long')",
+    "task_key": "e.task_key", "session_id": f"{_PAYLOAD} ->> '$.data.session_id'",
+    "position": "e.position", "order_key": "e.order_key", "version": "1",
+    "status": f"CASE WHEN {_CANDIDATE_SQL} THEN 'candidate' ELSE 'active' END",
+    "candidate": f"CASE WHEN {_CANDIDATE_SQL} THEN 1 ELSE 0 END",
+    "value": f"CAST({_PAYLOAD} -> '$.data.value' AS BLOB)",
+    "text": f"{_PAYLOAD} ->> '$.data.text'", "scope": f"{_PAYLOAD} ->> '$.data.scope'",
+    "supersedes": "e.supersedes", "superseded_by": "NULL", "expires_at": "NULL",
+    "expires_us": "NULL", "actor": "e.actor", "source": f"CAST({_SOURCE_SQL} AS BLOB)",
+}
+assert list(_PLAIN_ROW) == [c.name for c in t.mem_versions.c], "mem_versions changed"
+_PLAIN_SELECT: Final = ", ".join(_PLAIN_ROW.values())
+
+
+async def _insert_plain_slots(conn: AsyncConnection, after: str, bound: str | None,
+                              head: int) -> int:
+    """Insert the rows of the plain slots in (`after`, `bound`]; returns how many."""
+    upper, args = ("", (after, head, head)) if bound is None else (
+        " AND e.slot <= ?", (after, bound, head, head))
+    res = await conn.exec_driver_sql(
+        f"INSERT INTO mem_versions ({', '.join(_PLAIN_ROW)}) SELECT {_PLAIN_SELECT} "
+        f"FROM events AS e WHERE e.slot > ?{upper} AND e.position <= ? "
+        f"AND e.type IN {_WRITES_SQL} AND {_PLAIN_SLOT}", args)
+    return int(res.rowcount)
+
+
+async def plain_rows(conn: AsyncConnection, events: Sequence[Sequence[Any]]
+                     ) -> list[tuple[Any, ...]]:
+    """The rows the SQL path computes for `events` rows (`WRITE_COLUMNS` order, plus
+    `type`), each taken as its slot's only write: for checking it against Python."""
+    cols = (*WRITE_COLUMNS, "type")
+    one = "SELECT " + ", ".join(f"? AS {c}" for c in cols)
+    out = []
+    for r in events:
+        got = (await conn.exec_driver_sql(
+            f"SELECT {_PLAIN_SELECT} FROM ({one}) AS e", tuple(r))).one()
+        out.append(tuple(got))
+    return out
+
+
+def python_row(r: Sequence[Any]) -> tuple[Any, ...]:
+    """The row `resolve_slot` gives an `events` row (`WRITE_COLUMNS` order) alone."""
+    (row,) = resolve_slot([write_fact_of_row(r)], [], set(), [])
+    return tuple(int(v) if isinstance(v, bool) else v for v in row.values())
+
+
+_PROBE_VALUES: Final = (
+    None, True, 0, -1, 2**63 - 1, 1.5, 1e-7, -0.0, 1e300, 0.1 + 0.2, "", "é中\U0001f600",
+    "\u2028\x7f\x1f\"\\/\n\t", [1, [2, {}], {"b": 1, "a": [None, "x"]}],
+    {"z": {"y": "\x01"}, "a": 1.25e-5},
+)
+_supported: dict[str, bool] = {}
+
+
+async def sql_rows_supported(conn: AsyncConnection) -> bool:
+    """Does this SQLite compute plain rows byte for byte as Python does? Checked once a
+    process on values whose JSON is easy to get wrong; if not, Python does every slot."""
+    got = _supported.get("sqlite")
+    if got is None:
+        probe = [probe_event(i, v) for i, v in enumerate(_PROBE_VALUES)]
+        try:
+            got = await plain_rows(conn, probe) == [python_row(r[:-1]) for r in probe]
+        except DBAPIError:  # an SQLite without `->` / `->>` (before 3.38)
+            got = False
+        _supported["sqlite"] = got
+    return got
+
+
+def probe_event(i: int, value: Any, text: str = "t\x1f\"é", layer: str = "long",
+                kind: str = "user_statement") -> tuple[Any, ...]:
+    """An `events` row of a write of `value` (`WRITE_COLUMNS` order, then `type`)."""
+    data = {"key": "k", "namespace": ["t", "u"], "value": value, "text": text,
+            "scope": "s\u00e9", "layer": layer}
+    payload = encode_json({"data": data, "type": "memory.written"})
+    return (i + 1, "t", "act\"or", kind, "id\\1", "2026-01-01T00:00:00Z",
+            i if i % 2 else None, f"e{i}" if i % 3 else None, b"\x00\x01", f"s{i}",
+            f"m{i}", "t\x1fu\x1f", "k", layer, None, None, 0, payload, "memory.written")
+
+
+async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
+                        size: int) -> tuple[State | None, int]:
+    """Re-resolve, from the ledger, the slots a tombstone reaches that the SQL path
+    wrote (they are not `forgotten`): up to `size` slots of one tombstone a step."""
+    head = int(state["head"])
+    tc = t.tombstones.c
+    row = (await conn.execute(select(t.tombstones).where(
+        tc.position > int(state["after"]), tc.position <= head)
+        .order_by(tc.position).limit(1))).first()
+    if row is None:
+        return finished(state)
+    ts = tombstone_from_row(row)
+    mv = t.mem_versions.c
+    q = select(mv.slot).where(covering(ts), mv.status != "forgotten",
+                              mv.slot > str(state["slot"])).distinct()
+    slots = [r[0] for r in (await conn.execute(q.order_by(mv.slot).limit(size))).all()]
+    if slots:
+        await _resolve_from_ledger(store, conn, slots, head)
+    if len(slots) == size:
+        state["slot"] = slots[-1]
+    else:
+        state.update(after=ts.position, slot="")
+    return progressed(state, len(slots))
+
+
+async def _resolve_from_ledger(store: Store, conn: AsyncConnection, slots: Sequence[str],
+                               head: int) -> None:
+    """Replace the view rows of `slots` with those resolved from all their writes."""
+    ev, mv = t.events.c, t.mem_versions.c
+    writes: dict[str, list[WriteFact]] = {}
+    q = select(*[ev[c] for c in WRITE_COLUMNS]).where(
+        ev.slot.in_(slots), ev.position <= head, ev.type.in_(tuple(MEMORY_WRITES)))
+    for r in await fetch(store, conn, q):
+        w = write_fact_of_row(r)
+        writes.setdefault(w.slot, []).append(w)
+    tombs = await store.tombstones(conn, {ws[0].tenant for ws in writes.values()}, upto=head)
+    rows = await resolve_slots(conn, writes, tombs)
+    await conn.execute(delete(t.mem_versions).where(mv.slot.in_(slots)))
+    await insert_rows(store, conn, t.mem_versions, rows)
 
 
 def _create_indexes(sync_conn: Any) -> None:

@@ -256,19 +256,26 @@ def mark_row(m: Mark) -> dict[str, Any]:
             "owner": m.owner}
 
 
+def covering(ts: Tombstone) -> Any:
+    """SQL: the `mem_versions` row matches the tombstone's coordinates (whatever the
+    orders: `Tombstone.covers_write` decides, the query only narrows)."""
+    mv = t.mem_versions.c
+    if ts.kind == "memory_id":
+        cond = mv.memory_id == ts.memory_id
+    elif ts.kind == "key":
+        cond = and_(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
+    elif ts.kind == "prefix":
+        cond = prefix_match(mv.ns_path, ts.ns_path or "\x00")
+    else:
+        cond = and_(mv.layer == "task", mv.task_key == ts.task_key)
+    return and_(mv.tenant == ts.tenant, cond)
+
+
 async def covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
     """The slots of `mem_versions` a tombstone reaches."""
     mv = t.mem_versions.c
-    q = select(mv.slot).where(mv.tenant == ts.tenant)
-    if ts.kind == "memory_id":
-        q = q.where(mv.memory_id == ts.memory_id)
-    elif ts.kind == "key":
-        q = q.where(mv.ns_path == ts.ns_path, mv.mkey == ts.mkey)
-    elif ts.kind == "prefix":
-        q = q.where(prefix_match(mv.ns_path, ts.ns_path or "\x00"))
-    else:
-        q = q.where(mv.layer == "task", mv.task_key == ts.task_key)
-    return {r[0] for r in (await conn.execute(q.distinct())).all()}
+    q = select(mv.slot).where(covering(ts)).distinct()
+    return {r[0] for r in (await conn.execute(q)).all()}
 
 
 class TaskProjection:
