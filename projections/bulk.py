@@ -9,12 +9,15 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
   position ranges), then `slots` (every write up to `H`, a range of slots per step in
   slot order, each slot resolved once from all of its writes with
   `projections.runner.resolve_slots`, the function the live projection uses). On
-  SQLite a step first writes its *plain* slots (one write, unmarked, content present,
-  no expiry: most of a ledger) with one `INSERT ... SELECT` that computes the row
-  `resolve_slot` would, JSON included, without Python touching it (checked byte for
-  byte against Python once a process, and by a property test); then `forgets`
-  re-resolves from the ledger any such slot a tombstone reaches, which SQL did not
-  look at (normally none: reapplying the register erases what forgets cover first);
+  SQLite, `plain` comes between them: by position ranges (the ledger read in its own
+  order, so sequentially), one `INSERT ... SELECT` writes every *plain* slot (one
+  write, unmarked, content present, no expiry: most slots of a ledger) as the row
+  `resolve_slot` would compute, JSON included, without Python touching it (checked
+  byte for byte against Python once a process, and by property tests), and lists
+  every other write in a scratch table, which `slots` then reads in slot order
+  instead of the ledger. Last, `forgets` re-resolves from the ledger any plain slot a
+  tombstone reaches, which SQL did not look at (normally none: reapplying the register
+  erases what forgets cover before a rebuild starts);
 - tasks: `notes` (task events into `task_notes`), then `tasks` (a range of task keys
   per step, summarised by `projections.runner.summarize_tasks`);
 - vectors (`projections.vectors`): active memories, then open tasks, read from the
@@ -38,7 +41,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, delete, exists, or_, select, tuple_
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    and_,
+    delete,
+    exists,
+    or_,
+    select,
+    tuple_,
+)
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -111,7 +127,8 @@ _DEFERRED_INDEXES: Final = tuple(t.mem_versions.indexes)
 
 async def memories_step(store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:
-    """One step of the memories bulk load (phases `marks`, `slots`, then `forgets`)."""
+    """One step of the memories bulk load (phases `marks`, [`plain`], `slots`,
+    [`forgets`]: the bracketed ones on SQLite only)."""
     head = int(state["head"])
     ev = t.events.c
     phase = state.get("phase", "marks")
@@ -128,54 +145,71 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
         if hi < head:
             state["after"] = hi
         else:
-            state.update(phase="slots", after="")
+            await _start_writes(store, conn, state)
         return progressed(state, len(marks))
+    if phase == "plain":
+        return await _plain_step(conn, state, size)
     if phase == "forgets":
         return await _forgets_step(store, conn, state, size)
-    if state["after"] == "" and store.dialect == "sqlite":
-        # Loading into a table without its secondary indexes, then building them once
-        # at the end, halves the cost of the inserts on SQLite.
-        for ix in _DEFERRED_INDEXES:
-            await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
     after_slot = str(state["after"])
-    bound = (await conn.execute(
-        select(ev.slot).where(ev.slot > after_slot).order_by(ev.slot)
-        .offset(size - 1).limit(1))).scalar()
-    n = 0
-    in_sql = store.dialect == "sqlite" and await sql_rows_supported(conn)
-    if in_sql:
-        # Slots of one plain write go from `events` to the view in one statement.
-        n += await _insert_plain_slots(conn, after_slot, bound, head)
-        state["sql"] = True
-    mk, e = t.mem_marks.c, t.events.alias("e").c  # `e`: as `_PLAIN_SLOT` names it
+    events = t.events.alias("e")
+    mk, e = t.mem_marks.c, events.c
     has_marks = exists().where(mk.tenant == e.tenant, mk.target == e.memory_id)
-    q = select(*[e[c] for c in WRITE_COLUMNS], has_marks).where(
-        e.slot > after_slot, e.position <= head, e.type.in_(tuple(MEMORY_WRITES)))
-    if bound is not None:
-        q = q.where(e.slot <= bound)
-    if in_sql:  # what SQL left (the ledger refuses a second write of a memory id)
-        mv = t.mem_versions.c
-        q = q.where(~exists().where(mv.tenant == e.tenant, mv.memory_id == e.memory_id))
+    q = select(*[e[c] for c in WRITE_COLUMNS], has_marks)
+    if state.get("sql"):
+        # What the plain phase left, listed in `_REST` (slot order).
+        r = _REST.c
+        bound = (await conn.execute(
+            select(r.slot).where(r.slot > after_slot).order_by(r.slot, r.position)
+            .offset(size - 1).limit(1))).scalar()
+        q = q.join_from(events, _REST, r.position == e.position).where(r.slot > after_slot)
+        if bound is not None:
+            q = q.where(r.slot <= bound)
+    else:
+        bound = (await conn.execute(
+            select(ev.slot).where(ev.slot > after_slot).order_by(ev.slot)
+            .offset(size - 1).limit(1))).scalar()
+        q = q.where(e.slot > after_slot, e.position <= head,
+                    e.type.in_(tuple(MEMORY_WRITES)))
+        if bound is not None:
+            q = q.where(e.slot <= bound)
     slots: dict[str, list[WriteFact]] = {}
     marked: set[tuple[str, str]] = set()
-    for r in await fetch(store, conn, q):
-        w = write_fact_of_row(r[:-1])
+    for row in await fetch(store, conn, q):
+        w = write_fact_of_row(row[:-1])
         slots.setdefault(w.slot, []).append(w)
-        if r[-1]:
+        if row[-1]:
             marked.add((w.tenant, w.memory_id))
     tenants = {ws[0].tenant for ws in slots.values()}
     tombs = await store.tombstones(conn, tenants, upto=head) if tenants else []
     rows = await resolve_slots(conn, slots, tombs, marked)
     await insert_rows(store, conn, t.mem_versions, rows)
-    n += len(rows)
     if bound is not None:
         state["after"] = bound
-        return progressed(state, n)
+        return progressed(state, len(rows))
     await conn.run_sync(_create_indexes)
     if not state.get("sql"):
         return finished(state)
+    await conn.run_sync(_REST.drop)
     state.update(phase="forgets", after=0, slot="")
-    return progressed(state, n)
+    return progressed(state, len(rows))
+
+
+async def _start_writes(store: Store, conn: AsyncConnection, state: State) -> None:
+    """After the marks: choose the SQL path or not, and prepare the view for loading."""
+    if store.dialect != "sqlite":
+        state.update(phase="slots", after="")
+        return
+    # Loading into a table without its secondary indexes, then building them once
+    # at the end, halves the cost of the inserts on SQLite.
+    for ix in _DEFERRED_INDEXES:
+        await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+    if await sql_rows_supported(conn):
+        await conn.run_sync(_REST.drop, checkfirst=True)
+        await conn.run_sync(_REST.create)
+        state.update(phase="plain", after=0, sql=True)
+    else:
+        state.update(phase="slots", after="")
 
 
 # The SQL path (SQLite): a slot that holds exactly one write up to the head, which
@@ -227,16 +261,39 @@ assert list(_PLAIN_ROW) == [c.name for c in t.mem_versions.c], "mem_versions cha
 _PLAIN_SELECT: Final = ", ".join(_PLAIN_ROW.values())
 
 
-async def _insert_plain_slots(conn: AsyncConnection, after: str, bound: str | None,
-                              head: int) -> int:
-    """Insert the rows of the plain slots in (`after`, `bound`]; returns how many."""
-    upper, args = ("", (after, head, head)) if bound is None else (
-        " AND e.slot <= ?", (after, bound, head, head))
+#: The writes the plain phase left to Python, by slot (SQL path only; dropped at the
+#: end of the load). Not in `ledger.schema`: scratch space of a load in progress.
+_REST: Final = Table(
+    "bulk_memories_rest", MetaData(),
+    Column("slot", String(32), nullable=False),
+    Column("position", BigInteger, nullable=False),
+    PrimaryKeyConstraint("slot", "position"),
+    sqlite_with_rowid=False,
+)
+
+
+async def _plain_step(conn: AsyncConnection, state: State, size: int
+                      ) -> tuple[State | None, int]:
+    """Write the plain slots among the writes of a range of positions (read in position
+    order, so sequentially), and list the other writes in `_REST` for phase `slots`."""
+    head = int(state["head"])
+    after = int(state["after"])
+    hi = min(after + min(SCAN_SPAN, 4 * size), head)
+    where = f"e.position > ? AND e.position <= ? AND e.type IN {_WRITES_SQL}"
     res = await conn.exec_driver_sql(
         f"INSERT INTO mem_versions ({', '.join(_PLAIN_ROW)}) SELECT {_PLAIN_SELECT} "
-        f"FROM events AS e WHERE e.slot > ?{upper} AND e.position <= ? "
-        f"AND e.type IN {_WRITES_SQL} AND {_PLAIN_SLOT}", args)
-    return int(res.rowcount)
+        f"FROM events AS e WHERE {where} AND {_PLAIN_SLOT}", (after, hi, head))
+    # The rest: each memory id is written once (the ledger refuses a second write of
+    # one), so a write whose id the view lacks is one SQL did not take.
+    await conn.exec_driver_sql(
+        f"INSERT INTO {_REST.name} (slot, position) SELECT e.slot, e.position "
+        f"FROM events AS e WHERE {where} AND NOT EXISTS (SELECT 1 FROM mem_versions AS v "
+        "WHERE v.tenant = e.tenant AND v.memory_id = e.memory_id)", (after, hi))
+    if hi < head:
+        state["after"] = hi
+    else:
+        state.update(phase="slots", after="")
+    return progressed(state, int(res.rowcount))
 
 
 async def plain_rows(conn: AsyncConnection, events: Sequence[Sequence[Any]]
@@ -294,27 +351,34 @@ def probe_event(i: int, value: Any, text: str = "t\x1f\"é", layer: str = "long"
 
 async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:
-    """Re-resolve, from the ledger, the slots a tombstone reaches that the SQL path
-    wrote (they are not `forgotten`): up to `size` slots of one tombstone a step."""
+    """Re-resolve, from the ledger, the slots tombstones reach that the SQL path wrote
+    (they are not `forgotten`): up to `size` tombstones and `size` slots a step. The
+    state holds the last tombstone done (`after`) and, when a step stopped inside the
+    next one, the last of its slots done (`slot`)."""
     head = int(state["head"])
-    tc = t.tombstones.c
-    row = (await conn.execute(select(t.tombstones).where(
+    tc, mv = t.tombstones.c, t.mem_versions.c
+    tombs = (await conn.execute(select(t.tombstones).where(
         tc.position > int(state["after"]), tc.position <= head)
-        .order_by(tc.position).limit(1))).first()
-    if row is None:
-        return finished(state)
-    ts = tombstone_from_row(row)
-    mv = t.mem_versions.c
-    q = select(mv.slot).where(covering(ts), mv.status != "forgotten",
-                              mv.slot > str(state["slot"])).distinct()
-    slots = [r[0] for r in (await conn.execute(q.order_by(mv.slot).limit(size))).all()]
-    if slots:
-        await _resolve_from_ledger(store, conn, slots, head)
-    if len(slots) == size:
-        state["slot"] = slots[-1]
-    else:
+        .order_by(tc.position).limit(size))).all()
+    found: set[str] = set()
+    budget = size
+    for row in tombs:
+        ts = tombstone_from_row(row)
+        q = select(mv.slot).where(covering(ts), mv.status != "forgotten",
+                                  mv.slot > str(state["slot"])).distinct()
+        slots = [r[0] for r in (await conn.execute(q.order_by(mv.slot).limit(budget))).all()]
+        found.update(slots)
+        budget -= len(slots)
+        if budget == 0:  # this tombstone may reach more: go on from its last slot
+            state["slot"] = slots[-1]
+            break
         state.update(after=ts.position, slot="")
-    return progressed(state, len(slots))
+    ordered = sorted(found)
+    for i in range(0, len(ordered), 400):
+        await _resolve_from_ledger(store, conn, ordered[i:i + 400], head)
+    if budget > 0 and len(tombs) < size:
+        return finished(state)
+    return progressed(state, len(tombs))
 
 
 async def _resolve_from_ledger(store: Store, conn: AsyncConnection, slots: Sequence[str],
@@ -336,6 +400,17 @@ async def _resolve_from_ledger(store: Store, conn: AsyncConnection, slots: Seque
 def _create_indexes(sync_conn: Any) -> None:
     for ix in _DEFERRED_INDEXES:
         ix.create(sync_conn, checkfirst=True)
+
+
+def restore_shape(sync_conn: Any, name: str, tables: Sequence[Table]) -> None:
+    """Undo what a bulk load of projection `name` cut off and never resumed left
+    behind (SQLite: view indexes dropped for the load, its scratch table), so the
+    projection can be rebuilt event by event. For `replay.rebuild.reset_projection`."""
+    for table in tables:
+        for ix in table.indexes:
+            ix.create(sync_conn, checkfirst=True)
+    if name == "memories":
+        _REST.drop(sync_conn, checkfirst=True)
 
 
 # -- tasks --------------------------------------------------------------------------------

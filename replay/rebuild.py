@@ -39,6 +39,7 @@ from ledger.store import (
     tombstone_row,
 )
 from ledger.validation import parse_event
+from projections.bulk import restore_shape
 from projections.runner import (
     REBUILD_MARKER,
     BulkLoadable,
@@ -222,6 +223,8 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
         await _lock_checkpoint(conn, store, proj.name)
         for table in proj.tables:
             await conn.execute(delete(table))
+        if store.dialect == "sqlite":
+            await conn.run_sync(restore_shape, proj.name, proj.tables)
         # A projection's own bookkeeping rows are named `<name>.<what>` (for example
         # `vectors.pending_after`): they describe the rows just dropped.
         await conn.execute(delete(t.meta).where(m.name.startswith(f"{proj.name}.",
