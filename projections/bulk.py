@@ -69,6 +69,7 @@ from projections.memory import (
     write_fact_of_row,
 )
 from projections.runner import (
+    chunks,
     covering,
     insert_rows,
     mark_row,
@@ -152,27 +153,43 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
     if phase == "forgets":
         return await _forgets_step(store, conn, state, size)
     after_slot = str(state["after"])
-    events = t.events.alias("e")
-    mk, e = t.mem_marks.c, events.c
-    has_marks = exists().where(mk.tenant == e.tenant, mk.target == e.memory_id)
-    q = select(*[e[c] for c in WRITE_COLUMNS], has_marks)
-    if state.get("sql"):
-        # What the plain phase left, listed in `_REST` (slot order).
-        r = _REST.c
-        bound = (await conn.execute(
-            select(r.slot).where(r.slot > after_slot).order_by(r.slot, r.position)
-            .offset(size - 1).limit(1))).scalar()
-        q = q.join_from(events, _REST, r.position == e.position).where(r.slot > after_slot)
-        if bound is not None:
-            q = q.where(r.slot <= bound)
+    q, e = _writes_query()
+    if state.get("sql"):  # what the plain phase left, listed in `_REST`
+        slot = _REST.c.slot
+        q = q.join_from(e, _REST, _REST.c.position == e.c.position)
     else:
-        bound = (await conn.execute(
-            select(ev.slot).where(ev.slot > after_slot).order_by(ev.slot)
-            .offset(size - 1).limit(1))).scalar()
-        q = q.where(e.slot > after_slot, e.position <= head,
-                    e.type.in_(tuple(MEMORY_WRITES)))
-        if bound is not None:
-            q = q.where(e.slot <= bound)
+        slot = e.c.slot
+        q = q.where(e.c.position <= head, e.c.type.in_(tuple(MEMORY_WRITES)))
+    bound = (await conn.execute(select(slot).where(slot > after_slot).order_by(slot)
+                                .offset(size - 1).limit(1))).scalar()
+    q = q.where(slot > after_slot)
+    if bound is not None:
+        q = q.where(slot <= bound)
+    rows = await _resolve(store, conn, q, head)
+    await insert_rows(store, conn, t.mem_versions, rows)
+    if bound is not None:
+        state["after"] = bound
+        return progressed(state, len(rows))
+    await conn.run_sync(_create_indexes, (t.mem_versions,))
+    if not state.get("sql"):
+        return finished(state)
+    await conn.run_sync(_REST.drop)
+    state.update(phase="forgets", after=0, slot="")
+    return progressed(state, len(rows))
+
+
+def _writes_query() -> tuple[Any, Any]:
+    """SELECT of `events AS e` (as `_PLAIN_SLOT` names it): each write's columns
+    (`WRITE_COLUMNS`) and whether any mark targets it; and the alias."""
+    e = t.events.alias("e")
+    mk = t.mem_marks.c
+    has_marks = exists().where(mk.tenant == e.c.tenant, mk.target == e.c.memory_id)
+    return select(*[e.c[c] for c in WRITE_COLUMNS], has_marks), e
+
+
+async def _resolve(store: Store, conn: AsyncConnection, q: Any, head: int
+                   ) -> list[dict[str, Any]]:
+    """The view rows of the slots whose writes (all of them, up to `head`) `q` reads."""
     slots: dict[str, list[WriteFact]] = {}
     marked: set[tuple[str, str]] = set()
     for row in await fetch(store, conn, q):
@@ -182,17 +199,7 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
             marked.add((w.tenant, w.memory_id))
     tenants = {ws[0].tenant for ws in slots.values()}
     tombs = await store.tombstones(conn, tenants, upto=head) if tenants else []
-    rows = await resolve_slots(conn, slots, tombs, marked)
-    await insert_rows(store, conn, t.mem_versions, rows)
-    if bound is not None:
-        state["after"] = bound
-        return progressed(state, len(rows))
-    await conn.run_sync(_create_indexes)
-    if not state.get("sql"):
-        return finished(state)
-    await conn.run_sync(_REST.drop)
-    state.update(phase="forgets", after=0, slot="")
-    return progressed(state, len(rows))
+    return await resolve_slots(conn, slots, tombs, marked)
 
 
 async def _start_writes(store: Store, conn: AsyncConnection, state: State) -> None:
@@ -321,21 +328,20 @@ _PROBE_VALUES: Final = (
     "\u2028\x7f\x1f\"\\/\n\t", [1, [2, {}], {"b": 1, "a": [None, "x"]}],
     {"z": {"y": "\x01"}, "a": 1.25e-5},
 )
-_supported: dict[str, bool] = {}
+_supported: bool | None = None
 
 
 async def sql_rows_supported(conn: AsyncConnection) -> bool:
     """Does this SQLite compute plain rows byte for byte as Python does? Checked once a
     process on values whose JSON is easy to get wrong; if not, Python does every slot."""
-    got = _supported.get("sqlite")
-    if got is None:
+    global _supported
+    if _supported is None:
         probe = [probe_event(i, v) for i, v in enumerate(_PROBE_VALUES)]
         try:
-            got = await plain_rows(conn, probe) == [python_row(r[:-1]) for r in probe]
+            _supported = await plain_rows(conn, probe) == [python_row(r[:-1]) for r in probe]
         except DBAPIError:  # an SQLite without `->` / `->>` (before 3.38)
-            got = False
-        _supported["sqlite"] = got
-    return got
+            _supported = False
+    return _supported
 
 
 def probe_event(i: int, value: Any, text: str = "t\x1f\"é", layer: str = "long",
@@ -373,42 +379,30 @@ async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
             state["slot"] = slots[-1]
             break
         state.update(after=ts.position, slot="")
-    ordered = sorted(found)
-    for i in range(0, len(ordered), 400):
-        await _resolve_from_ledger(store, conn, ordered[i:i + 400], head)
+    for chunk in chunks(sorted(found)):
+        # Replace the rows of these slots with those resolved from all their writes.
+        q, e = _writes_query()
+        rows = await _resolve(store, conn, q.where(
+            e.c.slot.in_(chunk), e.c.position <= head, e.c.type.in_(tuple(MEMORY_WRITES))),
+            head)
+        await conn.execute(delete(t.mem_versions).where(mv.slot.in_(chunk)))
+        await insert_rows(store, conn, t.mem_versions, rows)
     if budget > 0 and len(tombs) < size:
         return finished(state)
     return progressed(state, len(tombs))
 
 
-async def _resolve_from_ledger(store: Store, conn: AsyncConnection, slots: Sequence[str],
-                               head: int) -> None:
-    """Replace the view rows of `slots` with those resolved from all their writes."""
-    ev, mv = t.events.c, t.mem_versions.c
-    writes: dict[str, list[WriteFact]] = {}
-    q = select(*[ev[c] for c in WRITE_COLUMNS]).where(
-        ev.slot.in_(slots), ev.position <= head, ev.type.in_(tuple(MEMORY_WRITES)))
-    for r in await fetch(store, conn, q):
-        w = write_fact_of_row(r)
-        writes.setdefault(w.slot, []).append(w)
-    tombs = await store.tombstones(conn, {ws[0].tenant for ws in writes.values()}, upto=head)
-    rows = await resolve_slots(conn, writes, tombs)
-    await conn.execute(delete(t.mem_versions).where(mv.slot.in_(slots)))
-    await insert_rows(store, conn, t.mem_versions, rows)
-
-
-def _create_indexes(sync_conn: Any) -> None:
-    for ix in _DEFERRED_INDEXES:
-        ix.create(sync_conn, checkfirst=True)
+def _create_indexes(sync_conn: Any, tables: Sequence[Table]) -> None:
+    for table in tables:
+        for ix in table.indexes:
+            ix.create(sync_conn, checkfirst=True)
 
 
 def restore_shape(sync_conn: Any, name: str, tables: Sequence[Table]) -> None:
     """Undo what a bulk load of projection `name` cut off and never resumed left
     behind (SQLite: view indexes dropped for the load, its scratch table), so the
     projection can be rebuilt event by event. For `replay.rebuild.reset_projection`."""
-    for table in tables:
-        for ix in table.indexes:
-            ix.create(sync_conn, checkfirst=True)
+    _create_indexes(sync_conn, tables)
     if name == "memories":
         _REST.drop(sync_conn, checkfirst=True)
 

@@ -116,7 +116,7 @@ async def write_bulk_state(conn: AsyncConnection, projection: str,
                                                   value=orjson.dumps(state).decode()))
 
 
-def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
+def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
 
@@ -147,10 +147,10 @@ class MemoryProjection:
         # Slots reached through marks: targets, and the targets of confirmed candidates.
         targets = {(m.tenant, m.target) for m in marks}
         confirmed_now = [(m.tenant, m.target) for m in marks if m.kind == "confirmed"]
-        for chunk in _chunks(sorted(confirmed_now)):
+        for chunk in chunks(sorted(confirmed_now)):
             q = select(mk.tenant, mk.target).where(pairs_in(mk.tenant, mk.via_candidate, chunk))
             targets.update((r[0], r[1]) for r in (await conn.execute(q)).all())
-        for chunk in _chunks(sorted(targets)):
+        for chunk in chunks(sorted(targets)):
             q = select(mv.slot).where(pairs_in(mv.tenant, mv.memory_id, chunk))
             slots.update(r[0] for r in (await conn.execute(q)).all())
         for se in forgets:
@@ -162,14 +162,14 @@ class MemoryProjection:
         slot_list = sorted(slots)
         existing: dict[str, list[WriteFact]] = {}
         new_ids = {(w.tenant, w.memory_id) for w in writes}
-        for chunk in _chunks(slot_list):
+        for chunk in chunks(slot_list):
             for r in (await conn.execute(select(t.mem_versions).where(mv.slot.in_(chunk)))).all():
                 if (r.tenant, r.memory_id) not in new_ids:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:
             existing.setdefault(w.slot, []).append(w)
         rows = await resolve_slots(conn, existing, tombs)
-        for chunk in _chunks(slot_list, 500):
+        for chunk in chunks(slot_list, 500):
             await conn.execute(delete(t.mem_versions).where(mv.slot.in_(chunk)))
         await insert_rows(store, conn, t.mem_versions, rows)
 
@@ -197,7 +197,7 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
                  if marked is None else marked)
     slot_marks: dict[tuple[str, str], list[Mark]] = {}
     vias: set[tuple[str, str]] = set()
-    for chunk in _chunks(ids):
+    for chunk in chunks(ids):
         q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
         for r in (await conn.execute(q)).all():
             m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
@@ -206,7 +206,7 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
             if m.via_candidate:
                 vias.add((m.tenant, m.via_candidate))
     confirmed: set[str] = set()
-    for chunk in _chunks(sorted(vias)):
+    for chunk in chunks(sorted(vias)):
         q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
                                     mk.kind == "confirmed")
         confirmed.update(r[0] for r in (await conn.execute(q)).all())
@@ -321,7 +321,7 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
-    for chunk in _chunks(keys):
+    for chunk in chunks(keys):
         q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
         for r in (await conn.execute(q)).all():
             body = _dec(r.body)
@@ -348,10 +348,10 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
                      "status": res["status"], "retain_until_us": res["retain_until_us"],
                      "purged": bool(res["purged"] or forgotten_owner),
                      "summary": res["summary"]})
-    for chunk in _chunks(erase, 500):
+    for chunk in chunks(erase, 500):
         await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
                            .values(body=None))
-    for chunk in _chunks(keys):
+    for chunk in chunks(keys):
         await conn.execute(delete(t.tasks_view).where(pairs_in(tv.tenant, tv.task_key, chunk)))
     await insert_rows(store, conn, t.tasks_view, rows)
 
@@ -426,7 +426,7 @@ async def erase_dead_letters(conn: AsyncConnection, ts: Tombstone) -> int:
             continue
         if dead_letter_covered(obj, ts):
             hit.append(r.id)
-    for chunk in _chunks(hit, 500):
+    for chunk in chunks(hit, 500):
         await conn.execute(update(t.dead_letters).where(dl.id.in_(chunk)).values(payload=None))
     return len(hit)
 
