@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv and install memledger with its dev tools
 
 lint: $(STAMP) ## ruff and mypy (strict) on the packages
-	$(BIN)/ruff check ledger projections workers replay tests examples bench
+	$(BIN)/ruff check memledger ledger projections workers replay tests examples bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: $(STAMP) ## the whole suite (PostgreSQL and Redis tests skip without the servers, fail when CI=true)
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -40,7 +40,7 @@ from bench.common import (
     sqlite_url,
     workdir,
 )
-from ledger.client import MemoryLedger
+from memledger import MemoryLedger
 from ledger.events import Event
 from ledger.store import Store
 from projections import reads

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ledger.client import MemoryLedger
+from memledger import MemoryLedger
 
 TENANT, USER = "shop-a", "u7"  # from the app's login, never from chat text
 PRINCIPAL = f"{TENANT}/{USER}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from ledger.client import MemoryLedger
+from memledger import MemoryLedger
 from ledger.errors import ValidationError
 
 C17 = "2026-09-20T10:00:00+08:00"

@@ -204,7 +204,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 def open_ledger(args: argparse.Namespace) -> Any:
     """The SDK facade on the store named by the arguments (principal-scoped reads)."""
-    from ledger.client import MemoryLedger
+    from memledger import MemoryLedger
 
     return MemoryLedger(args.db, register_path=getattr(args, "forget_register", None))
 

@@ -92,7 +92,8 @@ def redis_db() -> Iterator[str]:
     """A Redis database number of this run's own (flushed before and after)."""
     import redis
 
-    db = 1 + (int(RUN_ID, 16) % 15)
+    # MEMLEDGER_TEST_REDIS_DB pins the number, so concurrent runs on one server never share one.
+    db = int(os.environ.get("MEMLEDGER_TEST_REDIS_DB") or 1 + (int(RUN_ID, 16) % 15))
     url = f"{REDIS_URL}/{db}"
     try:
         client: Any = redis.Redis.from_url(url, socket_connect_timeout=2)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from sqlalchemy import update
 
 from ledger import schema as t
-from ledger.client import MemoryLedger
+from memledger import MemoryLedger
 from ledger.events import Event
 from ledger.store import Store
 from ledger.validation import parse_event
