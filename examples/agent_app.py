@@ -12,46 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from memledger import MemoryLedger
+import memledger
+from memledger import Source
 
 TENANT, USER = "shop-a", "u7"  # from the app's login, never from chat text
-PRINCIPAL = f"{TENANT}/{USER}"
-PREFS = [TENANT, USER, "preferences"]
+PREFS = ["preferences"]  # below the user: the ledger stores [TENANT, USER, "preferences"]
 
 
-def now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-def remember_event(conversation: str, seq: int, key: str, value: Any) -> dict[str, Any]:
-    """The event for "from now on ..., remember it" said by the logged-in user."""
-    return {"type": "memory.written", "idempotency_key": f"{conversation}-{seq}",
-            "tenant": TENANT, "actor": USER,
-            "source": {"kind": "explicit_user_request", "id": conversation, "at": now(),
-                       "seq": seq},
-            "data": {"namespace": PREFS, "key": key, "value": value}}
-
-
-def forget_event(conversation: str, seq: int, key: str) -> dict[str, Any]:
-    """The event for "forget that"."""
-    return {"type": "memory.forgotten", "idempotency_key": f"{conversation}-{seq}",
-            "tenant": TENANT, "actor": USER,
-            "source": {"kind": "explicit_user_request", "id": conversation, "at": now(),
-                       "seq": seq},
-            "data": {"namespace": PREFS, "key": key}}
-
-
-def build_prompt(recalled: dict[str, Any], user_turn: str) -> str:
+def build_prompt(recalled: memledger.Recall, user_turn: str) -> str:
     """What the app would send to a model: recalled memories, then the user's turn."""
-    lines = [f"- {i['key']}: {i['value']} ({i['layer']}, v{i['version']})"
-             for i in recalled["items"]]
+    lines = [f"- {i.key}: {i.value} ({i.memory.layer}, v{i.memory.version})"
+             for i in recalled.items]
     return "Known about the user:\n" + "\n".join(lines) + f"\nUser: {user_turn}"
 
 
@@ -59,34 +36,34 @@ async def in_process(db_url: str) -> list[str]:
     """The conversation with in-process writes; returns the prompts it built."""
     prompts = []
     conv = f"C-{uuid.uuid4().hex[:6]}"
-    async with MemoryLedger(db_url) as ml:
+    async with memledger.MemoryLedger(db_url) as ml:
+        u7 = ml.principal(TENANT, USER)
         # "From now on always answer me in Simplified Chinese" -> confirm only once durable.
-        await ml.remember(remember_event(conv, 1, "reply_language", "Simplified Chinese"))
+        await u7.remember(PREFS, "reply_language", "Simplified Chinese",
+                          source=Source.user_request(conv, seq=1))
         print("app: saved your reply language preference")
-        recalled = await ml.recall(PRINCIPAL, query="which language should replies use",
-                                   budget=200)
+        recalled = await u7.recall("which language should replies use", budget=200)
         prompts.append(build_prompt(recalled, "how is my ticket going?"))
         # "Forget my language preference."
-        await ml.remember(forget_event(conv, 2, "reply_language"))
-        recalled = await ml.recall(PRINCIPAL, query="which language should replies use")
+        await u7.forget(PREFS, "reply_language", source=Source.user_request(conv, seq=2))
+        recalled = await u7.recall("which language should replies use")
         prompts.append(build_prompt(recalled, "hello again"))
     return prompts
 
 
 async def via_workers(redis_url: str | None, db_url: str) -> list[str]:
     """The same conversation, publishing to the workers instead of appending in process."""
-    from workers.publish import publish
-
     conv = f"C-{uuid.uuid4().hex[:6]}"
-    publish([remember_event(conv, 1, "reply_language", "Simplified Chinese")],
-            redis_url=redis_url)
-    async with MemoryLedger(db_url) as ml:
+    broker = redis_url or os.environ.get("MEMLEDGER_REDIS_URL", "redis://127.0.0.1:6379/0")
+    async with memledger.MemoryLedger(db_url, broker=broker) as ml:
+        u7 = ml.principal(TENANT, USER)
+        await u7.remember(PREFS, "reply_language", "Simplified Chinese",
+                          source=Source.user_request(conv, seq=1), wait=False)
         for _ in range(200):  # the worker daemon ingests and projects asynchronously
-            got = await ml.get(PRINCIPAL, PREFS, "reply_language")
-            if got["found"]:
+            if await u7.get(PREFS, "reply_language") is not None:
                 break
             await asyncio.sleep(0.05)
-        recalled = await ml.recall(PRINCIPAL, query="reply language")
+        recalled = await u7.recall("reply language")
     return [build_prompt(recalled, "how is my ticket going?")]
 
 

@@ -1,11 +1,63 @@
 """memledger: an event-sourced memory ledger for AI agent apps.
 
-`import memledger` is the one public import. Everything under the internal packages
-(`ledger`, `projections`, `workers`, `replay`) may change between releases.
+`import memledger` is the one public import::
+
+    async with memledger.MemoryLedger("sqlite+aiosqlite:///./memledger.db") as ml:
+        u7 = ml.principal("shop-a", "u7")
+        await u7.remember(["preferences"], "reply_language", "Simplified Chinese",
+                          source=memledger.Source.user_request("C17", seq=2))
+        m = await u7.get(["preferences"], "reply_language")
+
+It exports the SDK (`MemoryLedger`, `Principal`), the typed results, the event
+builders (`memledger.events`) and the error tree. Everything under the internal
+packages (`ledger`, `projections`, `workers`, `replay`) may change between releases.
 """
 
 from __future__ import annotations
 
-from memledger._ledger import MemoryLedger
+from ledger.errors import (
+    AccessDenied,
+    BackupError,
+    BrokerUnavailable,
+    ConcurrencyConflict,
+    IdempotencyConflict,
+    IntegrityError,
+    MemledgerError,
+    RegisterError,
+    StoreUnavailable,
+    ValidationError,
+)
+from ledger.events import Event
+from ledger.store import AppendResult
+from memledger import events
+from memledger._ledger import MemoryLedger, Principal, Source
+from memledger.results import Memory, MemoryVersion, Recall, RecalledTask, RecallItem, TaskSummary
+from workers.publish import PublishResult
 
-__all__ = ["MemoryLedger"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDenied",
+    "AppendResult",
+    "BackupError",
+    "BrokerUnavailable",
+    "ConcurrencyConflict",
+    "Event",
+    "IdempotencyConflict",
+    "IntegrityError",
+    "MemledgerError",
+    "Memory",
+    "MemoryLedger",
+    "MemoryVersion",
+    "Principal",
+    "PublishResult",
+    "Recall",
+    "RecallItem",
+    "RecalledTask",
+    "RegisterError",
+    "Source",
+    "StoreUnavailable",
+    "TaskSummary",
+    "ValidationError",
+    "events",
+]

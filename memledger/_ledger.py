@@ -1,39 +1,57 @@
-"""The SDK an agent app uses: append, remember, forget, get, recall, tasks, history.
+"""The SDK: `MemoryLedger` (an open ledger) and `Principal` (one user's memory in it).
 
-`MemoryLedger` is a thin facade over the store, the projection runner and the
-principal-scoped reads; it adds no rules of its own.
+Both are thin: every rule lives in the core (validation, the append path, the
+projections, the principal-scoped reads). `MemoryLedger` appends events and runs the
+projections; `Principal` builds events on a user's behalf and reads what that user
+may read, nothing else (R24).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
-from ledger.errors import ValidationError
+from ledger import builders
+from ledger.builders import Source, SourceLike
+from ledger.errors import BrokerUnavailable, ValidationError
 from ledger.events import Event
 from ledger.store import AppendResult, Store
 from ledger.validation import parse_event
+from memledger.results import Memory, MemoryVersion, Recall, TaskSummary
+from projections import reads
+from projections.recall import recall as run_recall
+from projections.runner import Runner
+from workers.publish import Publisher, PublishResult
+
+EventLike = Event | Mapping[str, Any]
 
 
 def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def as_event(obj: Event | dict[str, Any]) -> Event:
+def as_event(obj: EventLike) -> Event:
     """Accept a validated `Event` or a wire dict (validated here)."""
-    return obj if isinstance(obj, Event) else parse_event(obj)
+    return obj if isinstance(obj, Event) else parse_event(dict(obj))
 
 
 class MemoryLedger:
-    """An open ledger: use as `async with MemoryLedger(url) as ml: ...`."""
+    """An open ledger: `async with MemoryLedger(url) as ml: ...`.
 
-    def __init__(self, url: str | None = None, *, register_path: str | None = None) -> None:
-        from projections.runner import Runner
+    `url` is a SQLAlchemy async URL (`sqlite+aiosqlite:///./memledger.db`, the default,
+    or `postgresql+asyncpg://...`). `broker` (a Redis URL) is needed only for
+    `wait=False` publishing, which hands events to the worker daemons instead of
+    appending them in this process.
+    """
 
+    def __init__(self, url: str | None = None, *, register_path: str | None = None,
+                 broker: str | None = None) -> None:
         self.store = Store(url, register_path=register_path)
         self.runner = Runner(self.store)
+        self._broker_url = broker
+        self._publisher: Publisher | None = None
 
     async def __aenter__(self) -> MemoryLedger:
         await self.store.open()
@@ -43,65 +61,265 @@ class MemoryLedger:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
 
+    async def open(self) -> MemoryLedger:
+        """Open the database (creating the schema of a new one); `async with` does this."""
+        await self.store.open()
+        return self
+
     async def close(self) -> None:
-        """Release the database connections."""
+        """Release the database connections and the broker connection."""
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
         await self.store.close()
 
-    async def append(self, events: Sequence[Event | dict[str, Any]]) -> list[AppendResult]:
-        """Append events atomically (all or none); see `Store.append`."""
-        return await self.store.append([as_event(e) for e in events])
+    def principal(self, tenant: str, user: str | None = None) -> Principal:
+        """One user's memory: `ml.principal("shop-a", "u7")` or `ml.principal("shop-a/u7")`."""
+        if user is None:
+            who = reads.Principal.parse(tenant)
+            return Principal(self, who.tenant, who.user)
+        return Principal(self, *_checked_principal(tenant, user))
 
-    async def remember(self, event: Event | dict[str, Any], *, wait: bool = True
-                       ) -> AppendResult:
-        """Append one event; with `wait`, return only once it is durable and projected.
+    # -- writes ------------------------------------------------------------------------
+    @overload
+    async def append(self, events: EventLike, *, wait: bool = ...) -> AppendResult: ...
 
-        Confirm "I'll remember that" to the user only after this returns (R16): on any
-        error the event was not saved, and the app must say so.
+    @overload
+    async def append(self, events: Sequence[EventLike], *, wait: bool = ...
+                     ) -> list[AppendResult]: ...
+
+    async def append(self, events: EventLike | Sequence[EventLike], *, wait: bool = False
+                     ) -> AppendResult | list[AppendResult]:
+        """Append one event or a batch (all or none); with `wait`, also project them.
+
+        Raw wire dicts are validated here, as `memledger append` validates a line. With
+        `wait=True` the call returns once the events are durable and every view shows
+        them: confirm "I'll remember that" to the user only then (R16).
         """
-        res = await self.store.append_one(as_event(event))
-        if wait:
-            await self.runner.catch_up(upto=max(res.position, 0))
+        if isinstance(events, Event | Mapping):
+            one = await self.store.append_one(as_event(events))
+            if wait:
+                await self.runner.catch_up(upto=max(one.position, 0))
+            return one
+        many = await self.store.append([as_event(e) for e in events])
+        if wait and many:
+            await self.runner.catch_up(upto=max(r.position for r in many))
+        return many
+
+    async def submit(self, event: Event, *, wait: bool) -> AppendResult | PublishResult:
+        """Append and project (`wait=True`), or hand over without waiting (`wait=False`).
+
+        Without waiting, the event goes to the broker when the ledger was opened with
+        `broker=`, for the worker daemons to append; otherwise it is appended here (it
+        is durable when this returns) and projected by whoever runs the projections
+        next (a worker, `memledger project`, or a later `wait=True` call).
+        """
+        if wait or self._broker_url is None:
+            return await self.append(event, wait=wait)
+        (res,) = await self.publish([event])
+        if res.status == "not_sent":
+            raise BrokerUnavailable(res.error or "the broker did not take the event")
+        if res.status == "rejected":
+            raise ValidationError("", res.error or "rejected")
         return res
+
+    async def publish(self, events: Sequence[EventLike]) -> list[PublishResult]:
+        """Hand events to the broker for the worker daemons to append (needs `broker=`).
+
+        One result per event: `published`, `rejected` (invalid, with the reason) or
+        `not_sent` (the broker was unreachable: tell the user it was not saved).
+        """
+        if self._broker_url is None:
+            raise ValidationError("broker", "this ledger was opened without a broker URL; "
+                                  "pass broker='redis://...' to MemoryLedger to publish")
+        if self._publisher is None:
+            self._publisher = Publisher(self._broker_url)
+        return await self._publisher.apublish([as_event(e) for e in events])
 
     async def project(self) -> dict[str, int]:
         """Run every projection in this process until it has caught up."""
         return await self.runner.catch_up()
 
-    async def get(self, principal: str, namespace: Sequence[str], key: str, *,
-                  task: str | None = None, session: str | None = None) -> dict[str, Any]:
-        """The active value of `key` for the principal (session > task > long-term)."""
-        from projections import reads
 
-        who = reads.Principal.parse(principal)
-        async with self.store.read_once() as conn:
-            return await reads.get(conn, who, list(namespace), key, now_us=_now_us(),
-                                   task=task, session=session)
+def _checked_principal(tenant: str, user: str) -> tuple[str, str]:
+    who = reads.Principal.parse(f"{tenant}/{user}")
+    if (who.tenant, who.user) != (tenant, user):
+        raise ValidationError("principal", "tenant and user must not contain '/'")
+    return who.tenant, who.user
 
-    async def tasks(self, principal: str, *, include_closed: bool = False
-                    ) -> list[dict[str, Any]]:
-        """The principal's task summaries (open ones unless `include_closed`)."""
-        from projections import reads
 
-        who = reads.Principal.parse(principal)
-        async with self.store.read() as conn:
-            return await reads.tasks(conn, who, include_closed=include_closed)
+class Principal:
+    """One user's memory: reads are scoped to the user, writes are owned by the user.
 
-    async def history(self, principal: str, namespace: Sequence[str], key: str
-                      ) -> list[dict[str, Any]]:
-        """Every version of a key the principal owns (forgotten ones redacted)."""
-        from projections import reads
+    Namespaces are given below the user: `["preferences"]` means
+    `[tenant, user, "preferences"]`. Writes are on the user's behalf (`actor` is the
+    user) unless `actor=` names the operator or service that writes for them.
+    """
 
-        who = reads.Principal.parse(principal)
-        async with self.store.read() as conn:
-            return await reads.history(conn, who, list(namespace), key)
+    def __init__(self, ledger: MemoryLedger, tenant: str, user: str) -> None:
+        self.ledger = ledger
+        self.tenant = tenant
+        self.user = user
+        self._who = reads.Principal(tenant, user)
 
-    async def recall(self, principal: str, *, query: str | None = None,
-                     session: str | None = None, task: str | None = None,
-                     budget: int | None = None, limit: int = 20) -> dict[str, Any]:
-        """Memories and open tasks to put before a model turn, with an audit id."""
-        from projections.recall import recall
+    def __repr__(self) -> str:
+        return f"Principal({self.tenant!r}, {self.user!r})"
 
+    def namespace(self, parts: Sequence[str] = ()) -> list[str]:
+        """The full namespace of `parts` below this user."""
+        if isinstance(parts, str):
+            raise ValidationError("namespace", "give the namespace as a list of parts")
+        return [self.tenant, self.user, *parts]
+
+    def _env(self, actor: str | None, source: SourceLike) -> dict[str, Any]:
+        return {"tenant": self.tenant, "actor": actor or self.user, "source": source}
+
+    # -- memory writes -----------------------------------------------------------------
+    async def remember(self, namespace: Sequence[str], key: str, value: Any, *,
+                       source: SourceLike, task: str | None = None,
+                       session: str | None = None, memory_id: str | None = None,
+                       scope: str | None = None, supersedes: str | None = None,
+                       expires_at: str | None = None, text: str | None = None,
+                       idempotency_key: str | None = None,
+                       expected_version: int | None = None, actor: str | None = None,
+                       wait: bool = True) -> AppendResult | PublishResult:
+        """Write a memory; the layer is `session` / `task` when one is given, else long.
+
+        With `wait=True` (the default) this returns once the memory is durable and
+        readable; see `MemoryLedger.submit` for `wait=False`.
+        """
+        ev = builders.write(namespace=self.namespace(namespace), key=key, value=value,
+                            task=task, session=session, memory_id=memory_id, scope=scope,
+                            supersedes=supersedes, expires_at=expires_at, text=text,
+                            idempotency_key=idempotency_key,
+                            expected_version=expected_version, **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def correct(self, namespace: Sequence[str], key: str, value: Any, *,
+                      supersedes: str, source: SourceLike, task: str | None = None,
+                      session: str | None = None, memory_id: str | None = None,
+                      scope: str | None = None, expires_at: str | None = None,
+                      text: str | None = None, idempotency_key: str | None = None,
+                      expected_version: int | None = None, actor: str | None = None,
+                      wait: bool = True) -> AppendResult | PublishResult:
+        """Correct a memory: a new version that supersedes the memory `supersedes`."""
+        ev = builders.correct(namespace=self.namespace(namespace), key=key, value=value,
+                              supersedes=supersedes, task=task, session=session,
+                              memory_id=memory_id, scope=scope, expires_at=expires_at,
+                              text=text,
+                              idempotency_key=idempotency_key,
+                              expected_version=expected_version, **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def supersede(self, memory_id: str, *, source: SourceLike,
+                        superseded_by: str | None = None, idempotency_key: str | None = None,
+                        actor: str | None = None, wait: bool = True
+                        ) -> AppendResult | PublishResult:
+        """Stop a memory being active."""
+        ev = builders.supersede(memory_id=memory_id, superseded_by=superseded_by,
+                                idempotency_key=idempotency_key, **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def confirm(self, memory_id: str, *, source: SourceLike,
+                      idempotency_key: str | None = None, actor: str | None = None,
+                      wait: bool = True) -> AppendResult | PublishResult:
+        """Make a candidate active (the user or an operator confirms it)."""
+        ev = builders.confirm(memory_id=memory_id, idempotency_key=idempotency_key,
+                              **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def forget(self, namespace: Sequence[str], key: str, *, source: SourceLike,
+                     reason: str | None = None, idempotency_key: str | None = None,
+                     actor: str | None = None, wait: bool = True
+                     ) -> AppendResult | PublishResult:
+        """Forget a key in every layer: unreadable at once, erased everywhere (R20)."""
+        ev = builders.forget_key(namespace=self.namespace(namespace), key=key, reason=reason,
+                                 idempotency_key=idempotency_key, **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def forget_memory(self, memory_id: str, *, source: SourceLike,
+                            reason: str | None = None, idempotency_key: str | None = None,
+                            actor: str | None = None, wait: bool = True
+                            ) -> AppendResult | PublishResult:
+        """Forget one memory by its id."""
+        ev = builders.forget_memory(memory_id=memory_id, reason=reason,
+                                    idempotency_key=idempotency_key,
+                                    **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def forget_all(self, namespace: Sequence[str] = (), *, source: SourceLike,
+                         reason: str | None = None, idempotency_key: str | None = None,
+                         actor: str | None = None, wait: bool = True
+                         ) -> AppendResult | PublishResult:
+        """Forget everything below `namespace` (everything about the user by default)."""
+        ev = builders.forget_prefix(namespace_prefix=self.namespace(namespace), reason=reason,
+                                    idempotency_key=idempotency_key,
+                                    **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    # -- task writes -------------------------------------------------------------------
+    async def open_task(self, task_key: str, *, source: SourceLike,
+                        namespace: Sequence[str] = (), refs: Mapping[str, str] | None = None,
+                        title: str | None = None, idempotency_key: str | None = None,
+                        actor: str | None = None, wait: bool = True
+                        ) -> AppendResult | PublishResult:
+        """Open a task owned by this user (or by `namespace` below the user)."""
+        ev = builders.open_task(task_key=task_key, namespace=self.namespace(namespace),
+                                refs=refs, title=title, idempotency_key=idempotency_key,
+                                **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def note_task(self, task_key: str, kind: str, text: str, *, source: SourceLike,
+                        fields: Mapping[str, Any] | None = None,
+                        idempotency_key: str | None = None, actor: str | None = None,
+                        wait: bool = True) -> AppendResult | PublishResult:
+        """Add a note to a task (`system_status` needs a `Source.system(...)` source)."""
+        ev = builders.note_task(task_key=task_key, kind=kind, text=text, fields=fields,
+                                idempotency_key=idempotency_key, **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    async def close_task(self, task_key: str, *, source: SourceLike,
+                         resolution: str | None = None, retain_until: str | None = None,
+                         idempotency_key: str | None = None, actor: str | None = None,
+                         wait: bool = True) -> AppendResult | PublishResult:
+        """Close a task; `retain_until` is when its content is purged."""
+        ev = builders.close_task(task_key=task_key, resolution=resolution,
+                                 retain_until=retain_until, idempotency_key=idempotency_key,
+                                 **self._env(actor, source))
+        return await self.ledger.submit(ev, wait=wait)
+
+    # -- reads -------------------------------------------------------------------------
+    async def get(self, namespace: Sequence[str], key: str, *, task: str | None = None,
+                  session: str | None = None) -> Memory | None:
+        """The active value of `key` for this user (session beats task beats long-term)."""
+        store = self.ledger.store
+        async with store.read_once() as conn:
+            got = await reads.get(conn, self._who, self.namespace(namespace), key,
+                                  now_us=_now_us(), task=task, session=session)
+        return Memory.from_dict(got) if got.get("found") else None
+
+    async def history(self, namespace: Sequence[str], key: str) -> list[MemoryVersion]:
+        """Every version of a key, oldest first; forgotten ones redacted."""
+        async with self.ledger.store.read() as conn:
+            rows = await reads.history(conn, self._who, self.namespace(namespace), key)
+        return [MemoryVersion.from_dict(r) for r in rows]
+
+    async def tasks(self, *, include_closed: bool = False) -> list[TaskSummary]:
+        """This user's task summaries (open ones unless `include_closed`)."""
+        async with self.ledger.store.read() as conn:
+            rows = await reads.tasks(conn, self._who, include_closed=include_closed)
+        return [TaskSummary.from_dict(r) for r in rows]
+
+    async def recall(self, query: str | None = None, *, session: str | None = None,
+                     task: str | None = None, budget: int | None = None,
+                     limit: int = 20) -> Recall:
+        """Memories and open tasks to put before a model turn, with an audit id (R25)."""
         if limit < 1:
             raise ValidationError("limit", "must be at least 1")
-        return await recall(self.store, principal, query=query, session=session, task=task,
-                            budget=budget, limit=limit, now_us=_now_us())
+        out = await run_recall(self.ledger.store, f"{self.tenant}/{self.user}", query=query,
+                               session=session, task=task, budget=budget, limit=limit,
+                               now_us=_now_us())
+        return Recall.from_dict(out)
+
+
+__all__ = ["EventLike", "MemoryLedger", "Principal", "Source", "as_event"]

@@ -213,8 +213,12 @@ def open_ledger(args: argparse.Namespace) -> Any:
 async def cmd_get(args: argparse.Namespace) -> int:
     """The active value of a key for a principal."""
     async with open_ledger(args) as ml:
-        out(await ml.get(args.as_, args.namespace.split("/"), args.key, task=args.task,
-                         session=args.session))
+        who = ml.principal(args.as_)
+        ns = args.namespace.split("/")
+        m = None
+        if ns[:2] == [who.tenant, who.user]:  # another user's namespace: nothing to say
+            m = await who.get(ns[2:], args.key, task=args.task, session=args.session)
+        out(m.to_dict() if m is not None else {"found": False})
     return 0
 
 
@@ -222,7 +226,8 @@ async def cmd_get(args: argparse.Namespace) -> int:
 async def cmd_tasks(args: argparse.Namespace) -> int:
     """The principal's task summaries."""
     async with open_ledger(args) as ml:
-        out({"tasks": await ml.tasks(args.as_, include_closed=args.all)})
+        tasks = await ml.principal(args.as_).tasks(include_closed=args.all)
+        out({"tasks": [x.to_dict() for x in tasks]})
     return 0
 
 

@@ -1,9 +1,15 @@
-"""Builders for wire events of the running example (REQUIREMENTS.md)."""
+"""Wire events of the running example (docs/requirements.md), built by the shared builder.
+
+Tests need wire objects, valid and deliberately invalid, so these return the bare wire
+dict of `ledger.builders.wire` (validated only where a test appends it).
+"""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
+
+from ledger.builders import Source, wire
 
 _seq = itertools.count(1)
 
@@ -11,10 +17,7 @@ _seq = itertools.count(1)
 def src(kind: str = "explicit_user_request", sid: str = "C17",
         at: str = "2026-09-20T10:00:00+08:00", seq: int | None = None) -> dict[str, Any]:
     """A source object."""
-    out: dict[str, Any] = {"kind": kind, "id": sid, "at": at}
-    if seq is not None:
-        out["seq"] = seq
-    return out
+    return Source(kind, sid, at, seq).to_wire()
 
 
 def write(key: str, value: Any, *, tenant: str = "shop-a", user: str = "u7",
@@ -22,19 +25,14 @@ def write(key: str, value: Any, *, tenant: str = "shop-a", user: str = "u7",
           source: dict[str, Any] | None = None, actor: str | None = None,
           etype: str = "memory.written", **data: Any) -> dict[str, Any]:
     """A `memory.written` (or corrected) event."""
-    return {
-        "type": etype,
-        "idempotency_key": idem or f"w-{next(_seq)}",
-        "tenant": tenant,
-        "actor": actor or user,
-        "source": source or src(),
-        "data": {"namespace": ns or [tenant, user, "preferences"], "key": key,
-                 "value": value, **data},
-    }
+    body = {"namespace": ns or [tenant, user, "preferences"], "key": key, "value": value,
+            **data}
+    return event(etype, body, tenant=tenant, actor=actor or user,
+                 idem=idem or f"w-{next(_seq)}", source=source)
 
 
 def event(etype: str, data: dict[str, Any], *, tenant: str = "shop-a", actor: str = "u7",
           idem: str | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Any event."""
-    return {"type": etype, "idempotency_key": idem or f"e-{next(_seq)}", "tenant": tenant,
-            "actor": actor, "source": source or src(), "data": data}
+    return wire(etype, data, tenant=tenant, actor=actor, source=source or src(),
+                idempotency_key=idem or f"e-{next(_seq)}")

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from sqlalchemy import update
 
 from ledger import schema as t
-from memledger import MemoryLedger
 from ledger.events import Event
 from ledger.store import Store
 from ledger.validation import parse_event
+from memledger import MemoryLedger
 from projections.runner import Runner
 from tests.factories import event, src, write
 from tests.helpers import dump_views, fresh_replay
@@ -194,8 +194,9 @@ async def test_redelivered_batch_changes_nothing(store: Store) -> None:
 async def test_remember_wait_returns_projected(db_url: str, register_path: str) -> None:
     """remember(wait=True) returns once the write is durable and readable (R16)."""
     async with MemoryLedger(db_url, register_path=register_path) as ml:
-        await ml.remember(write("reply_language", "Simplified Chinese"))
-        got = await ml.get("shop-a/u7", NS, "reply_language")
+        await ml.append(write("reply_language", "Simplified Chinese"), wait=True)
+        m = await ml.principal("shop-a/u7").get(NS[2:], "reply_language")
+        got = m.to_dict() if m is not None else {"found": False}
         assert got["value"] == "Simplified Chinese"
 
 
@@ -305,11 +306,12 @@ async def test_history_shows_versions_and_redacts_forgotten(db_url: str,
     async with MemoryLedger(db_url, register_path=register_path) as ml:
         await ml.append([write("lang", "zh", memory_id="A", source=src(at=at(1))),
                          write("lang", "en", memory_id="B", source=src(at=at(2)))])
-        await ml.remember(event("memory.forgotten", {"memory_id": "B"}, source=src(at=at(3))))
-        hist = await ml.history("shop-a/u7", NS, "lang")
+        await ml.append(event("memory.forgotten", {"memory_id": "B"}, source=src(at=at(3))),
+                        wait=True)
+        hist = [h.to_dict() for h in await ml.principal("shop-a/u7").history(NS[2:], "lang")]
         assert [(h["memory_id"], h["version"], h["status"], h["value"]) for h in hist] == [
             ("A", 1, "superseded", "zh"), ("B", 2, "forgotten", None)]
-        assert await ml.history("shop-a/u8", NS, "lang") == []
+        assert await ml.principal("shop-a/u8").history(NS[2:], "lang") == []
 
 
 async def test_two_runners_never_double_apply(db_url: str, register_path: str,
