@@ -32,8 +32,11 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
+from ledger.builders import Source as WireSource
+from ledger.builders import wire
 from ledger.events import Event, Source, derive_memory_id, encode_json
 from ledger.logs import configure
+from ledger.store import event_from_wire
 from ledger.validation import parse_event
 
 QUICK_ENV: Final = "MEMLEDGER_BENCH_QUICK"
@@ -226,42 +229,56 @@ def at(seconds: int) -> str:
 
 
 BASE_US: Final = int(BASE_AT.timestamp()) * 1_000_000
-#: One event in this many is also run through `parse_event` to prove the fast builder
-#: yields exactly the validated event (full validation of 200k events costs ~45 s).
+#: One event in this many is also run through `parse_event` to prove the bench's events
+#: are exactly the validated ones (full validation of 200k events costs about a minute,
+#: longer than the benchmarks it would set up).
 CHECK_EVERY: Final = 25
 
 
-def _source(kind: str, sid: str, when: int) -> Source:
-    return Source(kind, sid, at(when), None, None, BASE_US + when * 1_000_000)
+def _event(etype: str, data: dict[str, Any], *, tenant: str, actor: str, kind: str, sid: str,
+           when: int, idem: str, i: int) -> Event:
+    """A bench event from the shared wire builder, in its normalised form.
 
-
-def _checked(ev: Event, i: int) -> Event:
-    if i % CHECK_EVERY == 0 and parse_event(ev.to_wire()) != ev:
-        raise AssertionError(f"bench event {ev.idempotency_key} differs from its validated form")
+    `data` states every field validation would fill in (layer, memory_id, text), so the
+    wire object is already normalised and decodes like a stored event; one in
+    `CHECK_EVERY` is validated and must come out identical.
+    """
+    obj = wire(etype, data, tenant=tenant, actor=actor, source=WireSource(kind, sid, at(when)),
+               idempotency_key=idem)
+    ev = event_from_wire(obj, Source(kind, sid, at(when), None, None,
+                                     BASE_US + when * 1_000_000))
+    if i % CHECK_EVERY == 0 and parse_event(obj) != ev:
+        raise AssertionError(f"bench event {idem} differs from its validated form")
     return ev
 
 
-def memory_write(tenant: str, user: str, key: str, value: Any, *, idem: str, when: int,
-                 source_id: str = "C1", supersedes: str | None = None,
-                 folder: str = "preferences") -> Event:
-    """A validated `memory.written` (or `memory.corrected` when it supersedes) event."""
-    return parse_event(_write(tenant, user, key, value, idem=idem, when=when,
-                              source_id=source_id, supersedes=supersedes,
-                              folder=folder).to_wire())
-
-
-def _write(tenant: str, user: str, key: str, value: Any, *, idem: str, when: int,
-           source_id: str, supersedes: str | None = None, folder: str = "preferences",
-           ) -> Event:
-    # The normalised form `parse_event` gives: layer, derived memory_id, default text.
+def _write_data(tenant: str, user: str, key: str, value: Any, *, idem: str,
+                supersedes: str | None = None, folder: str = "preferences") -> dict[str, Any]:
     data: dict[str, Any] = {
         "namespace": [tenant, user, folder], "key": key, "value": value, "layer": "long",
         "memory_id": derive_memory_id(tenant, idem),
         "text": f"{key}: {encode_json(value).decode()}"}
     if supersedes is not None:
         data["supersedes"] = supersedes
-    return Event("memory.corrected" if supersedes else "memory.written", idem, tenant, user,
-                 _source("explicit_user_request", source_id, when), data)
+    return data
+
+
+def memory_write(tenant: str, user: str, key: str, value: Any, *, idem: str, when: int,
+                 source_id: str = "C1", supersedes: str | None = None,
+                 folder: str = "preferences") -> Event:
+    """A validated `memory.written` (or `memory.corrected` when it supersedes) event."""
+    return _write(tenant, user, key, value, idem=idem, when=when, source_id=source_id,
+                  supersedes=supersedes, folder=folder, i=0)
+
+
+def _write(tenant: str, user: str, key: str, value: Any, *, idem: str, when: int,
+           source_id: str, supersedes: str | None = None, folder: str = "preferences",
+           i: int = 1) -> Event:
+    return _event("memory.corrected" if supersedes else "memory.written",
+                  _write_data(tenant, user, key, value, idem=idem, supersedes=supersedes,
+                              folder=folder),
+                  tenant=tenant, actor=user, kind="explicit_user_request", sid=source_id,
+                  when=when, idem=idem, i=i)
 
 
 def pref_value(rng: random.Random, n: int) -> dict[str, Any]:
@@ -277,8 +294,8 @@ def simple_writes(n: int, *, users: int, tenant: str = "shop-a", seed: int = 11,
     out = []
     for i in range(n):
         user = f"u{i % users}"
-        out.append(_checked(_write(tenant, user, f"k{i // users}", pref_value(rng, i),
-                                   idem=f"w{i}", when=i, source_id=f"C{user}"), i))
+        out.append(_write(tenant, user, f"k{i // users}", pref_value(rng, i),
+                          idem=f"w{i}", when=i, source_id=f"C{user}", i=i))
     return out
 
 
@@ -308,26 +325,27 @@ def mixed_events(n: int, *, seed: int = 7, tenants: int = 4, users: int | None =
             if task is None:
                 task = f"T{i}"
                 open_task[user] = task
-                ev = Event("task.opened", idem, tenant, user,
-                           _source("explicit_user_request", f"C{user}", when),
-                           {"task_key": task, "namespace": [tenant, user],
-                            "refs": {"order": f"A{i}"}, "title": "earbuds not charging"})
+                ev = _event("task.opened", {"task_key": task, "namespace": [tenant, user],
+                                            "refs": {"order": f"A{i}"},
+                                            "title": "earbuds not charging"},
+                            tenant=tenant, actor=user, kind="explicit_user_request",
+                            sid=f"C{user}", when=when, idem=idem, i=i)
             elif rng.random() < 0.3:
-                ev = Event("task.noted", idem, tenant, "aftersales",
-                           _source("system_of_record", "aftersales", when),
-                           {"task_key": task, "kind": "system_status",
-                            "text": "replacement shipped",
-                            "fields": {"status": "shipped", "carrier": "SF"}})
+                ev = _event("task.noted", {"task_key": task, "kind": "system_status",
+                                           "text": "replacement shipped",
+                                           "fields": {"status": "shipped", "carrier": "SF"}},
+                            tenant=tenant, actor="aftersales", kind="system_of_record",
+                            sid="aftersales", when=when, idem=idem, i=i)
             else:
-                ev = Event("task.noted", idem, tenant, user,
-                           _source("explicit_user_request", f"C{user}", when),
-                           {"task_key": task, "kind": "user_report",
-                            "text": "the right earbud still does not charge"})
+                ev = _event("task.noted", {"task_key": task, "kind": "user_report",
+                                           "text": "the right earbud still does not charge"},
+                            tenant=tenant, actor=user, kind="explicit_user_request",
+                            sid=f"C{user}", when=when, idem=idem, i=i)
         elif r < task_share + corrections and written:
             j = rng.randrange(len(written))
             tenant, user, key, prior = written[j]
             ev = _write(tenant, user, key, pref_value(rng, i), idem=idem, when=when,
-                        source_id=f"C{user}", supersedes=prior)
+                        source_id=f"C{user}", supersedes=prior, i=i)
             written[j] = (tenant, user, key, str(ev.memory_id))
         else:
             tenant, user = rng.choice(people)
@@ -335,9 +353,9 @@ def mixed_events(n: int, *, seed: int = 7, tenants: int = 4, users: int | None =
             keys_of[user] = k + 1
             key = f"pref_{k}"
             ev = _write(tenant, user, key, pref_value(rng, i), idem=idem, when=when,
-                        source_id=f"C{user}")
+                        source_id=f"C{user}", i=i)
             written.append((tenant, user, key, str(ev.memory_id)))
-        events.append(_checked(ev, i))
+        events.append(ev)
     return events
 
 

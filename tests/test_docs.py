@@ -81,6 +81,16 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     assert (tmp_path / "memledger.db.forgets").read_bytes().count(b"\n") == 1
 
 
+def test_readme_example_is_short_and_typed() -> None:
+    """The README's agent-app example imports `memledger`, builds no raw envelope dict,
+    and fits in 15 lines."""
+    block = next(b for d, b in _blocks("python") if d.name == "README.md")
+    lines = block.strip().splitlines()
+    assert len(lines) <= 15, len(lines)
+    assert lines[0] == "import memledger"
+    assert '"type"' not in block and '"idempotency_key"' not in block
+
+
 @pytest.mark.parametrize("doc", ["events.md"])
 def test_event_examples_are_valid(doc: str) -> None:
     """Every JSON Lines example in the events doc passes validation."""
