@@ -239,7 +239,7 @@ def _run() -> list[dict[str, Any]]:
                "MEMLEDGER_FORGET_REGISTER": str(tmp / "ledger.forgets"),
                "MEMLEDGER_LOG_LEVEL": "WARNING"}
         with (tmp / "daemon.log").open("wb") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "replay.cli", "worker",
+            daemon = subprocess.Popen([sys.executable, "-m", "memledger", "worker",
                                        *DAEMON_ARGS], env=env, stdout=subprocess.DEVNULL,
                                       stderr=log)
             watcher = _Watcher(db)

@@ -29,7 +29,7 @@ def default_register_path(db_url: str) -> str:
         if not path or path.startswith(":memory:"):
             raise RegisterError(
                 "an in-memory SQLite ledger has no place for its forget register; "
-                "set MEMLEDGER_FORGET_REGISTER or pass --forget-register"
+                "set MEMLEDGER_FORGET_REGISTER or give the register a path"
             )
         return path.split("?", 1)[0] + ".forgets"
     # A server database has no file beside it: name the file after the database.

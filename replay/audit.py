@@ -176,8 +176,8 @@ async def audit(store: Store, *, memory_id: str | None = None,
     """The history of one subject: a memory id, a namespace + key, or a task."""
     chosen = [x for x in (memory_id, key or namespace, task) if x]
     if len(chosen) != 1 or (key is None) != (namespace is None):
-        raise ValidationError("audit", "give exactly one of --memory-id, --namespace with "
-                              "--key, or --task")
+        raise ValidationError("audit", "give exactly one of memory_id, namespace with key, "
+                              "or task")
     await store.open()
     ev, to = t.events.c, t.task_owners.c
     query: dict[str, Any] = {}
@@ -198,9 +198,9 @@ async def audit(store: Store, *, memory_id: str | None = None,
                 pairs.add((tenant, memory_id))
         elif namespace is not None and key is not None:
             if len(namespace) < 2:
-                raise ValidationError("--namespace", "needs at least tenant/user")
+                raise ValidationError("namespace", "needs at least tenant/user")
             if tenant is not None and tenant != namespace[0]:
-                raise ValidationError("--tenant", "differs from the namespace's tenant")
+                raise ValidationError("tenant", "differs from the namespace's tenant")
             query = {"namespace": list(namespace), "key": key}
             q = select(t.events).where(ev.tenant == namespace[0],
                                        ev.ns_path == ns_path(list(namespace)), ev.mkey == key)
@@ -271,6 +271,6 @@ async def audit_record(store: Store, audit_id: str) -> dict[str, Any]:
     async with store.read() as conn:
         r = (await conn.execute(select(t.recall_audit).where(ra.audit_id == audit_id))).first()
     if r is None:
-        raise ValidationError("--audit-id", f"no recall audit record {audit_id!r}")
+        raise ValidationError("audit_id", f"no recall audit record {audit_id!r}")
     return {"audit_id": r.audit_id, "at": r.at, "tenant": r.tenant, "principal": r.principal,
             "query_digest": r.query_digest, "items": orjson.loads(r.items)}

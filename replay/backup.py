@@ -44,7 +44,8 @@ from ledger.errors import BackupError
 from ledger.events import digest
 from ledger.store import GENESIS, Store, chain_link, now_iso, tombstone_from_row
 from projections.runner import default_projections
-from replay.progress import Progress
+from replay.errors import DatabaseNotEmpty, RegisterMissing
+from replay.progress import Progress, ProgressCallback
 from replay.rebuild import rebuild, register_events
 from replay.rows import binary_columns, by_tenant, covering, row_dict, stream_rows
 
@@ -90,8 +91,8 @@ class _HashingWriter:
         self.raw.close()
 
 
-async def backup(store: Store, path: str | os.PathLike[str], *, progress: bool = True
-                 ) -> dict[str, Any]:
+async def backup(store: Store, path: str | os.PathLike[str], *,
+                 progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Write a consistent backup of the ledger tables to `path` (atomically replaced)."""
     await store.open()
     target = Path(path)
@@ -117,7 +118,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *, progress: bool =
                            for tb in BACKUP_TABLES],
             }
             writer.line(orjson.dumps(header))
-            bar = Progress("backup", sum(counts.values()), unit="rows", enabled=progress)
+            bar = Progress("backup", sum(counts.values()), unit="rows", report=progress)
             for tb in BACKUP_TABLES:
                 columns = [c.name for c in tb.columns]
                 binary = set(binary_columns(tb))
@@ -339,26 +340,22 @@ async def _clear(conn: AsyncConnection) -> None:
 
 
 async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = False,
-                  without_register: bool = False, progress: bool = True) -> dict[str, Any]:
+                  without_register: bool = False, progress: ProgressCallback | None = None
+                  ) -> dict[str, Any]:
     """Check a backup, load it, reapply the forget register and rebuild the views."""
     reader = BackupReader(path)
     header = reader.check()
     await store.open()
     if not store.register.exists() and not without_register:
-        raise BackupError(
-            f"forget register {store.register.path} not found: without it a restore can "
-            "bring back what was forgotten after the backup (R21). Point --forget-register "
-            "at it, or pass --without-register to restore without it")
+        raise RegisterMissing(store.register.path)
     register_events(store)  # a damaged register stops the restore before any change
     total = sum(x["count"] for x in header["tables"])
-    bar = Progress("restore", total, unit="rows", enabled=progress)
+    bar = Progress("restore", total, unit="rows", report=progress)
     async with store.write() as conn:
         if store.dialect == "postgresql":
             await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
         if not await _is_empty(conn) and not force:
-            raise BackupError(f"the database {_safe_url(store.url)} is not empty; "
-                              "restore into an empty one, or pass --force to replace "
-                              "its contents")
+            raise DatabaseNotEmpty(_safe_url(store.url))
         await _clear(conn)
         # The reader re-checks the checksum at the end: a file changed since the
         # check raises here, inside the transaction, which then rolls back.

@@ -1,71 +1,73 @@
-"""Progress on stderr for long operator commands: done/total, events/s and ETA.
+"""Progress of long operator work (rebuild, backup, restore), reported to a callback.
 
-On a terminal one line is redrawn in place; otherwise (a log file, a CI job) a plain
-line is written every few seconds, so the output stays readable when captured.
+The replay functions count their work in a `Progress` and hand every step to the
+caller's `ProgressCallback`; they write nothing themselves. The command line draws the
+updates on stderr (`memledger.cli.common.ProgressLine`); a library caller may log them,
+show them elsewhere, or pass nothing.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
-def _clock(seconds: float) -> str:
-    s = max(0, int(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+@dataclass(frozen=True, slots=True)
+class ProgressUpdate:
+    """Where one phase of the work stands (`total` 0: unknown)."""
 
-
-class Progress:
-    """A progress line for `total` units of work (events, rows)."""
-
-    def __init__(self, label: str, total: int, *, unit: str = "events",
-                 stream: TextIO | None = None, enabled: bool = True) -> None:
-        self.label = label
-        self.total = max(0, total)
-        self.unit = unit
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.done = 0
-        self.started = time.monotonic()
-        self._tty = self.stream.isatty()
-        self._last = 0.0
-        self._every = 0.2 if self._tty else 5.0
+    label: str
+    done: int
+    total: int
+    unit: str
+    elapsed: float
+    final: bool = False
 
     @property
     def rate(self) -> float:
         """Units per second so far."""
-        elapsed = time.monotonic() - self.started
-        return self.done / elapsed if elapsed > 0 else 0.0
+        return self.done / self.elapsed if self.elapsed > 0 else 0.0
 
-    def line(self) -> str:
-        """The current progress line."""
-        rate = self.rate
-        pct = f" ({100 * self.done / self.total:5.1f}%)" if self.total else ""
-        left = self.total - self.done
-        eta = _clock(left / rate) if rate > 0 and left > 0 else "-"
-        return (f"{self.label}: {self.done:,}/{self.total:,} {self.unit}{pct}, "
-                f"{rate:,.0f} {self.unit}/s, ETA {eta}")
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the current rate, when there is a rate and work left."""
+        rate, left = self.rate, self.total - self.done
+        return left / rate if rate > 0 and left > 0 else None
+
+
+#: Called at every step of the work and once when a phase ends (`final`).
+ProgressCallback = Callable[[ProgressUpdate], None]
+
+
+class Progress:
+    """Counts `total` units of one phase (`label`) and reports each step to `report`.
+
+    `report` None (or any falsy value, such as the `progress=False` of older callers)
+    reports nothing.
+    """
+
+    def __init__(self, label: str, total: int, *, unit: str = "events",
+                 report: ProgressCallback | None = None) -> None:
+        self.label = label
+        self.total = max(0, total)
+        self.unit = unit
+        self.report = report or None
+        self.done = 0
+        self.started = time.monotonic()
+
+    def update(self, *, final: bool = False) -> ProgressUpdate:
+        """The current state."""
+        return ProgressUpdate(self.label, self.done, self.total, self.unit,
+                              time.monotonic() - self.started, final)
 
     def advance(self, n: int) -> None:
-        """Count `n` more units done (never past the total); redraw when it is time."""
+        """Count `n` more units done (never past the total) and report it."""
         self.done = min(self.done + n, self.total) if self.total else self.done + n
-        now = time.monotonic()
-        if self.enabled and now - self._last >= self._every:
-            self._last = now
-            self._write(self.line())
+        if self.report is not None:
+            self.report(self.update())
 
     def finish(self) -> None:
-        """Write the final line."""
-        if not self.enabled:
-            return
-        elapsed = time.monotonic() - self.started
-        self._write(f"{self.label}: {self.done:,} {self.unit} in {_clock(elapsed)} "
-                    f"({self.rate:,.0f} {self.unit}/s)", final=True)
-
-    def _write(self, text: str, *, final: bool = False) -> None:
-        if self._tty:
-            self.stream.write("\r\x1b[K" + text + ("\n" if final else ""))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        """Report the end of the phase."""
+        if self.report is not None:
+            self.report(self.update(final=True))

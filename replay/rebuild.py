@@ -48,7 +48,7 @@ from projections.runner import (
     erase_payloads,
     write_bulk_state,
 )
-from replay.progress import Progress
+from replay.progress import Progress, ProgressCallback
 
 log = structlog.get_logger("memledger.replay")
 
@@ -259,19 +259,20 @@ def select_projections(runner: Runner, names: Sequence[str] | None) -> list[Proj
     known = {p.name for p in runner.projections}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValidationError("--projection", f"unknown projection {unknown[0]!r}; one of "
+        raise ValidationError("projection", f"unknown projection {unknown[0]!r}; one of "
                               f"{', '.join(sorted(known))}")
     return [p for p in runner.projections if p.name in names]
 
 
 async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: bool = False,
-                  batch_size: int = REBUILD_BATCH, progress: bool = True,
+                  batch_size: int = REBUILD_BATCH, progress: ProgressCallback | None = None,
                   runner: Runner | None = None, bulk: bool = True) -> dict[str, Any]:
     """Reapply the register, then drop and rebuild the named views (all by default).
 
     A rebuild left unfinished (interrupted, killed) is resumed from its checkpoint
     unless `restart` asks to drop the views again. `bulk=False` replays event by event,
     as the live projections do, instead of bulk loading (`projections.bulk`).
+    `progress` is told of every step (`replay.progress`).
     """
     await store.open()
     runner = runner or Runner(store, batch_size=batch_size)
@@ -287,7 +288,7 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
     head = await store.head()
     positions = await runner.positions()
     total = sum(max(0, head - positions[p.name]) for p in projs)
-    bar = Progress("rebuild", total, enabled=progress)
+    bar = Progress("rebuild", total, report=progress)
     done: dict[str, Any] = {}
     for p in projs:
         started = time.monotonic()

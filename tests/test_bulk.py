@@ -22,8 +22,8 @@ from ledger.store import Store
 from ledger.validation import parse_event
 from projections import bulk
 from projections.runner import MemoryProjection, Runner, read_bulk_state
-from replay.cli import status_report
 from replay.rebuild import in_progress, rebuild, reset_projection
+from replay.status import status_report
 from replay.verify import verify
 from tests.factories import event, src, write
 from tests.helpers import dump_views, fresh_replay

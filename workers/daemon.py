@@ -230,7 +230,7 @@ def _child_main(settings: Settings, index: int, parent: int) -> None:
     if os.getppid() != parent:
         return
     configure_logging()
-    sys.exit(asyncio.run(serve(settings, index)))
+    asyncio.run(serve(settings, index))  # serve returns 0: a normal return is exit 0
 
 
 def roles(settings: Settings) -> list[Settings]:

@@ -1,7 +1,8 @@
 """The broker side of `memledger status`: queue depths, daemons alive, last sweep.
 
-`replay.cli.status_report` merges `await broker_report()` into its report when this
-module exists. It never raises: an unreachable broker is reported as such.
+`memledger status` merges `await broker_report()` into the ledger's report
+(`replay.status.status_report`). It never raises: an unreachable broker is reported as
+such.
 """
 
 from __future__ import annotations

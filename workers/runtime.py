@@ -56,9 +56,9 @@ class Settings:
         if not self.queues:
             raise ValueError("no queue to consume")
         if self.processes < 1 or self.threads < 1:
-            raise ValueError("--processes and --threads must be at least 1")
+            raise ValueError("processes and threads must be at least 1")
         if self.sweep_interval <= 0:
-            raise ValueError("--sweep-interval must be positive")
+            raise ValueError("sweep_interval must be positive")
 
     @property
     def projects(self) -> bool:

@@ -1,0 +1,165 @@
+"""The app commands: what an agent app calls (append, publish, get, recall, tasks).
+
+`get`, `recall` and `tasks` are principal-scoped (`--as TENANT/USER`); `append` and
+`publish` take events in the wire format, one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from ledger.errors import MemledgerError, ValidationError
+from ledger.validation import decode_event
+from memledger.cli.common import (
+    REDIS_HELP,
+    Audience,
+    open_ledger,
+    open_store,
+    out,
+    read_lines,
+    say,
+)
+
+TITLE = "app commands (what agent apps call)"
+
+#: The principal's flag, for errors about the principal.
+AS_FLAG = {"principal": "--as"}
+
+#: Lines appended concurrently (one group commit) before their results are printed.
+APPEND_CHUNK = 500
+
+
+async def cmd_append(args: argparse.Namespace) -> int:
+    """Append events from JSON Lines; one result line per input line."""
+    store = open_store(args)
+    rejected = 0
+    try:
+        await store.open()
+        pending: list[tuple[int, Any]] = []
+
+        async def flush() -> None:
+            nonlocal rejected
+            results = await asyncio.gather(*(store.append([ev]) for _, ev in pending),
+                                           return_exceptions=True)
+            for (n, _), res in zip(pending, results, strict=True):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, MemledgerError):
+                        raise res
+                    rejected += 1
+                    out({"line": n, "status": "rejected", "position": None, "error": str(res)})
+                else:
+                    r = res[0]
+                    line: dict[str, Any] = {"line": n, "status": r.status, "position": r.position}
+                    if r.suppressed:
+                        line["suppressed"] = True
+                    out(line)
+            pending.clear()
+
+        for n, raw in read_lines(args.file):
+            try:
+                ev = decode_event(raw)
+            except ValidationError as e:
+                await flush()
+                rejected += 1
+                out({"line": n, "status": "rejected", "position": None, "error": str(e)})
+                continue
+            pending.append((n, ev))
+            if len(pending) >= APPEND_CHUNK:
+                await flush()
+        await flush()
+    finally:
+        await store.close()
+    if rejected:
+        say(f"{rejected} line(s) rejected")
+    return 1 if rejected else 0
+
+
+async def cmd_publish(args: argparse.Namespace) -> int:
+    """Validate and publish events; one result line per input line."""
+    from workers.publish import Publisher
+
+    if args.batch < 1:
+        say("error: --batch must be at least 1")
+        return 2
+    counts = {"published": 0, "rejected": 0, "not_sent": 0}
+    with Publisher(args.redis, batch_size=args.batch) as pub:
+        for res in pub.publish_numbered(read_lines(args.file)):
+            counts[res.status] += 1
+            out(res.to_json())
+    if counts["rejected"] or counts["not_sent"]:
+        say(f"{counts['published']} published, {counts['rejected']} rejected, "
+            f"{counts['not_sent']} not sent (broker unavailable)")
+        return 1
+    return 0
+
+
+async def cmd_get(args: argparse.Namespace) -> int:
+    """The active value of a key for a principal."""
+    async with open_ledger(args) as ml:
+        who = ml.principal(args.as_)
+        ns = args.namespace.split("/")
+        m = None
+        if ns[:2] == [who.tenant, who.user]:  # another user's namespace: nothing to say
+            m = await who.get(ns[2:], args.key, task=args.task, session=args.session)
+        out(m.to_dict() if m is not None else {"found": False})
+    return 0
+
+
+async def cmd_tasks(args: argparse.Namespace) -> int:
+    """The principal's task summaries."""
+    async with open_ledger(args) as ml:
+        tasks = await ml.principal(args.as_).tasks(include_closed=args.all)
+        out({"tasks": [x.to_dict() for x in tasks]})
+    return 0
+
+
+async def cmd_recall(args: argparse.Namespace) -> int:
+    """Memories and tasks to put before a model turn."""
+    if args.limit < 1:
+        raise ValidationError("--limit", "must be at least 1")
+    if args.budget is not None and args.budget < 0:
+        raise ValidationError("--budget", "must be >= 0")
+    async with open_ledger(args) as ml:
+        got = await ml.principal(args.as_).recall(args.query, session=args.session,
+                                                  task=args.task, budget=args.budget,
+                                                  limit=args.limit)
+        out(got.to_dict())
+    return 0
+
+
+def _principal(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--as", dest="as_", required=True, metavar="TENANT/USER",
+                   help="the authenticated principal")
+
+
+def add_commands(aud: Audience) -> None:
+    """Add the app commands."""
+    a = aud.command("append", "append events from a JSON Lines file or - (stdin)", cmd_append)
+    a.add_argument("file")
+
+    p = aud.command("publish", "send events (JSON Lines file or -) to the workers", cmd_publish)
+    p.add_argument("file")
+    p.add_argument("--redis", default=None, help=REDIS_HELP)
+    p.add_argument("--batch", type=int, default=100, help="events per broker message")
+
+    g = aud.command("get", "the active value of a key for a principal", cmd_get, flags=AS_FLAG)
+    _principal(g)
+    g.add_argument("--namespace", required=True, help="a/b/c")
+    g.add_argument("--key", required=True)
+    g.add_argument("--task")
+    g.add_argument("--session")
+
+    r = aud.command("recall", "memories and tasks to put before a model turn", cmd_recall,
+                    flags=AS_FLAG)
+    _principal(r)
+    r.add_argument("--session")
+    r.add_argument("--task")
+    r.add_argument("--query")
+    r.add_argument("--budget", type=int)
+    r.add_argument("--limit", type=int, default=20)
+
+    tk = aud.command("tasks", "the principal's task summaries", cmd_tasks, flags=AS_FLAG)
+    _principal(tk)
+    tk.add_argument("--all", action="store_true", help="include closed tasks")

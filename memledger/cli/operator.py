@@ -1,0 +1,229 @@
+"""The operator commands: status, project, sweep, replay rebuild|audit|verify, backup, restore.
+
+Whoever runs them holds the database credentials, so they take no `--as` (some take
+`--tenant` to narrow). Each opens the store, calls one function of `projections` or
+`replay`, prints its result as one JSON object and returns the exit code; progress goes
+to stderr (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ledger.errors import ValidationError
+from memledger.cli.common import Audience, error_message, handles, open_store, out, progress_of, say
+
+TITLE = "operator commands (whoever holds the database credentials)"
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    """Print the head position, each projection's position and lag, and broker health."""
+    from replay.status import status_report
+    from workers.health import broker_report
+
+    store = open_store(args)
+    try:
+        await store.open()
+        report = await status_report(store)
+    finally:
+        await store.close()
+    report.update(await broker_report())
+    out(report)
+    return 0
+
+
+async def cmd_project(args: argparse.Namespace) -> int:
+    """Run every projection in this process until caught up."""
+    from projections.runner import Runner
+
+    store = open_store(args)
+    try:
+        runner = Runner(store, batch_size=args.batch_size)
+        applied = await runner.catch_up()
+        out({"applied": applied, "positions": await runner.positions(),
+             "head": await store.head()})
+    finally:
+        await store.close()
+    return 0
+
+
+async def cmd_sweep(args: argparse.Namespace) -> int:
+    """Purge closed tasks past their retention, then project."""
+    from projections.retention import sweep_retention
+    from projections.runner import Runner
+
+    store = open_store(args)
+    try:
+        purged = await sweep_retention(store)
+        await Runner(store).catch_up()
+        out({"purged": [{"tenant": a, "task_key": b} for a, b in purged]})
+    finally:
+        await store.close()
+    return 0
+
+
+async def cmd_rebuild(args: argparse.Namespace) -> int:
+    """Reapply the forget register, drop the views, replay them with progress."""
+    from replay.rebuild import rebuild
+
+    if args.batch_size < 1:
+        say("error: --batch-size must be at least 1")
+        return 2
+    store = open_store(args)
+    try:
+        try:
+            res = await rebuild(store, args.projection, restart=args.restart,
+                                batch_size=args.batch_size, progress=progress_of(args),
+                                bulk=not args.event_by_event)
+        except ValidationError as e:
+            if e.field != "projection":
+                raise
+            say(f"error: {error_message(e, args)}")  # a name not on the list: usage
+            return 2
+        out(res)
+    finally:
+        await store.close()
+    return 0
+
+
+async def cmd_audit(args: argparse.Namespace) -> int:
+    """Print the history of one subject, or one recall audit record."""
+    from replay.audit import audit, audit_record
+
+    if (args.namespace is None) != (args.key is None):
+        say("error: --namespace and --key go together")
+        return 2
+    store = open_store(args)
+    try:
+        if args.audit_id is not None:
+            out(await audit_record(store, args.audit_id))
+        else:
+            ns = args.namespace.split("/") if args.namespace else None
+            out(await audit(store, memory_id=args.memory_id, namespace=ns, key=args.key,
+                            task=args.task, tenant=args.tenant))
+    finally:
+        await store.close()
+    return 0
+
+
+async def cmd_verify(args: argparse.Namespace) -> int:
+    """Check integrity (or erasure with --forgotten); exit 1 on any problem."""
+    from replay.verify import verify, verify_forgotten
+
+    store = open_store(args)
+    try:
+        if args.forgotten:
+            res = await verify_forgotten(store, catch_up=not args.no_catch_up,
+                                         limit=args.limit)
+        else:
+            res = await verify(store, catch_up=not args.no_catch_up, views=not args.no_views,
+                               limit=args.limit)
+        out(res)
+    finally:
+        await store.close()
+    if not res["ok"]:
+        say(f"verify failed: {res['problem_count']} problem(s)")
+        return 1
+    return 0
+
+
+async def cmd_backup(args: argparse.Namespace) -> int:
+    """Write a backup file while the ledger stays online."""
+    from replay.backup import backup
+
+    store = open_store(args)
+    try:
+        res = await backup(store, args.path, progress=progress_of(args))
+        out(res)
+    finally:
+        await store.close()
+    say(f"backup of {sum(res['counts'].values()):,} rows at position {res['position']} "
+        f"written to {res['path']}")
+    return 0
+
+
+async def cmd_restore(args: argparse.Namespace) -> int:
+    """Restore a backup into the configured database."""
+    from replay.backup import restore
+
+    store = open_store(args)
+    try:
+        res = await restore(store, args.path, force=args.force,
+                            without_register=args.without_register,
+                            progress=progress_of(args))
+        out(res)
+    finally:
+        await store.close()
+    re = res["reapplied"]
+    say(f"restored position {res['restored']['position']}; forget register: "
+        f"{re['entries']} entries, {len(re['appended'])} appended, "
+        f"{re['payloads_erased']} payloads erased; views rebuilt to {res['head']}")
+    return 0
+
+
+def _add_replay(aud: Audience) -> None:
+    rp = aud.command("replay", "rebuild views, audit history, verify integrity")
+    actions = rp.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    rb = handles(actions.add_parser(
+        "rebuild", help="drop and rebuild views from the ledger, after reapplying the "
+                        "forget register"), cmd_rebuild, {"projection": "--projection"})
+    rb.add_argument("--projection", action="append", metavar="NAME",
+                    help="rebuild only this projection (repeatable; default: all)")
+    rb.add_argument("--restart", action="store_true",
+                    help="start over even if an interrupted rebuild could be resumed")
+    rb.add_argument("--batch-size", type=int, default=4000,
+                    help="events, slots, tasks or entries per transaction (default 4000)")
+    rb.add_argument("--event-by-event", action="store_true",
+                    help="replay each view as the live projections do instead of bulk "
+                         "loading it (slower; the same rows)")
+    rb.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    au = handles(actions.add_parser(
+        "audit", help="the history of a memory, key or task, and the recalls that used it"),
+        cmd_audit, {"namespace": "--namespace", "tenant": "--tenant", "audit_id": "--audit-id"})
+    target = au.add_mutually_exclusive_group(required=True)
+    target.add_argument("--memory-id")
+    target.add_argument("--namespace", help="a/b/c (with --key)")
+    target.add_argument("--task", help="a task key")
+    target.add_argument("--audit-id", help="show one recall audit record")
+    au.add_argument("--key", help="the key within --namespace")
+    au.add_argument("--tenant", help="only this tenant")
+
+    ve = handles(actions.add_parser(
+        "verify", help="hash chain, digests, positions, tombstones, and views against a "
+                       "fresh replay"), cmd_verify)
+    ve.add_argument("--forgotten", action="store_true",
+                    help="instead prove that no view, index or payload holds content a "
+                         "tombstone covers")
+    ve.add_argument("--no-catch-up", action="store_true",
+                    help="check the views as they are (default: project to the head first)")
+    ve.add_argument("--no-views", action="store_true",
+                    help="check the ledger only, not the views")
+    ve.add_argument("--limit", type=int, default=50, help="problems to list (all are counted)")
+
+
+def add_commands(aud: Audience) -> None:
+    """Add the operator commands."""
+    aud.command("status", "head position, projection lag, broker health", cmd_status)
+    pj = aud.command("project", "run every projection in this process until caught up",
+                     cmd_project)
+    pj.add_argument("--batch-size", type=int, default=1000, help="events per transaction")
+    aud.command("sweep", "purge closed tasks past retain_until (R6, R28), then project",
+                cmd_sweep)
+    _add_replay(aud)
+
+    bk = aud.command("backup", "one consistent, portable, checksummed backup file, taken "
+                               "online (.gz: compressed)", cmd_backup)
+    bk.add_argument("path")
+    bk.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    rs = aud.command("restore", "restore a backup, reapply the forget register, rebuild the "
+                                "views", cmd_restore)
+    rs.add_argument("path")
+    rs.add_argument("--force", action="store_true",
+                    help="replace the contents of a non-empty database")
+    rs.add_argument("--without-register", action="store_true",
+                    help="go on even though the forget register is missing (forgets "
+                         "recorded after the backup are then not reapplied)")
+    rs.add_argument("--quiet", action="store_true", help="no progress on stderr")

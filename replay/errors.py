@@ -1,0 +1,42 @@
+"""The refusals of `replay.backup.restore`: subclasses of `BackupError` that say why.
+
+Each keeps what was wrong (`problem`) apart from what to do, which the message words
+in the terms of the Python API (`register_path`, `without_register=True`,
+`force=True`); the command line says the same with its own flags.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ledger.errors import BackupError
+
+
+class RestoreRefused(BackupError):
+    """A restore was refused before it changed anything."""
+
+    def __init__(self, problem: str, remedy: str) -> None:
+        self.problem = problem
+        super().__init__(problem + remedy)
+
+
+class RegisterMissing(RestoreRefused):
+    """The forget register is not where the store says it is (R21)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        super().__init__(
+            f"forget register {self.path} not found: without it a restore can bring back "
+            "what was forgotten after the backup (R21)",
+            ". Point register_path at it, or pass without_register=True to restore "
+            "without it")
+
+
+class DatabaseNotEmpty(RestoreRefused):
+    """The target database holds data and the restore was not told to replace it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        super().__init__(f"the database {url} is not empty",
+                         "; restore into an empty one, or pass force=True to replace "
+                         "its contents")

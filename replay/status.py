@@ -1,0 +1,49 @@
+"""What the ledger database says about itself: head, projection lag, rebuilds under way.
+
+`memledger status` prints this report with the broker's side merged in
+(`workers.health.broker_report`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from sqlalchemy import func, select
+
+from ledger import schema as t
+from ledger.store import Store
+from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
+
+
+async def status_report(store: Store) -> dict[str, Any]:
+    """Head, per-projection position and lag, and what else the ledger knows."""
+    runner = Runner(store)
+    head = await store.head()
+    positions = await runner.positions()
+    async with store.read() as conn:
+        dead = int((await conn.execute(select(func.count()).select_from(t.dead_letters)))
+                   .scalar() or 0)
+        forgets = int((await conn.execute(select(func.count()).select_from(t.tombstones)))
+                      .scalar() or 0)
+        m = t.meta.c
+        meta = {r[0]: r[1] for r in (await conn.execute(select(m.name, m.value).where(
+            m.name.startswith(REBUILD_MARKER, autoescape=True)
+            | m.name.endswith(BULK_SUFFIX, autoescape=True)))).all()}
+    projections: dict[str, Any] = {}
+    for n, p in positions.items():
+        projections[n] = {"position": p, "lag": head - p}
+        if REBUILD_MARKER + n in meta:
+            projections[n]["rebuilding_since"] = meta[REBUILD_MARKER + n]
+        if n + BULK_SUFFIX in meta:
+            load = orjson.loads(meta[n + BULK_SUFFIX])
+            projections[n]["bulk_load"] = {"head": load.get("head"),
+                                           "phase": load.get("phase")}
+    return {
+        "head": head,
+        "projections": projections,
+        "backend": store.dialect,
+        "tombstones": forgets,
+        "dead_letters": dead,
+        "forget_register": str(store.register.path),
+    }
