@@ -13,7 +13,8 @@ from typing import Any
 
 from ledger.errors import ValidationError
 from ledger.events import Event
-from ledger.store import AppendResult, Store
+from ledger.records import AppendResult
+from ledger.store import Store
 from ledger.validation import parse_event
 
 
