@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from enum import Enum
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -27,6 +27,9 @@ from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
+
+if TYPE_CHECKING:
+    from ledger.backends.sqlite import WriteTurn
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -58,6 +61,9 @@ class Recorder(ABC):
     def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
         self.engine = self.create_engine(pool_size)
+        #: The write turn taken before each write transaction, if the backend has one
+        #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
+        self.turn: WriteTurn | None = None
 
     # -- engine and session set-up ----------------------------------------------------------
     @abstractmethod
@@ -75,7 +81,7 @@ class Recorder(ABC):
         """Make a just-begun read transaction one consistent, read-only snapshot."""
 
     @abstractmethod
-    async def keep_snapshot_open(self, conn: AsyncConnection) -> None:
+    async def keep_transaction_open(self, conn: AsyncConnection) -> None:
         """Let a long transaction (backup, restore, verify) outlive the server's
         idle-in-transaction timeout."""
 
@@ -84,9 +90,12 @@ class Recorder(ABC):
         """Hold `lock` until the transaction ends."""
 
     # -- transactions -----------------------------------------------------------------------
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[AsyncConnection]:
+    def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A write transaction that holds the ledger's write lock until it commits."""
+        return self._write()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
         try:
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(memledger_write=True)
@@ -98,9 +107,12 @@ class Recorder(ABC):
                 raise
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
 
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
+    def read(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A read transaction (one consistent snapshot on both backends)."""
+        return self._read()
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
         try:
             async with self.engine.connect() as conn, conn.begin():
                 await self.begin_snapshot(conn)
@@ -108,16 +120,17 @@ class Recorder(ABC):
         except (OperationalError, OSError) as e:
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
 
-    @asynccontextmanager
-    async def read_once(self) -> AsyncIterator[AsyncConnection]:
+    def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for one statement (a read transaction unless the backend makes
         a single statement atomic by itself)."""
-        async with self.read() as conn:
-            yield conn
+        return self.read()
+
+    def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A transaction for view updates: SQLite takes its write lock up front."""
+        return self._view_write()
 
     @asynccontextmanager
-    async def view_write(self) -> AsyncIterator[AsyncConnection]:
-        """A transaction for view updates: SQLite takes its write lock up front."""
+    async def _view_write(self) -> AsyncIterator[AsyncConnection]:
         try:
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(memledger_write=True)

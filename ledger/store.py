@@ -126,9 +126,12 @@ class Store:
     forget_rule: Final = FORGET_RULE
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
-                 pool_size: int = 5) -> None:
+                 pool_size: int = 5, write_turns: bool = False) -> None:
+        """`write_turns`: write transactions take turns with other processes on the
+        same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons)."""
         self.url = url or os.environ.get("MEMLEDGER_DB_URL") or DEFAULT_URL
-        self.recorder = recorder_for(self.url, pool_size=pool_size)
+        self.recorder = recorder_for(self.url, pool_size=pool_size, write_turns=write_turns)
+        self.turn = self.recorder.turn
         #: The backend's name, `sqlite` or `postgresql` (reported, never branched on:
         #: what differs between backends is in `ledger.backends`).
         self.dialect = self.recorder.name

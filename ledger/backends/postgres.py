@@ -49,7 +49,7 @@ class PostgresRecorder(Recorder):
     async def begin_snapshot(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
 
-    async def keep_snapshot_open(self, conn: AsyncConnection) -> None:
+    async def keep_transaction_open(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
 
     async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
