@@ -102,7 +102,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *, progress: bool =
     erased = 0
     try:
         async with store.read() as conn:
-            await store.recorder.keep_snapshot_open(conn)
+            await store.recorder.keep_transaction_open(conn)
             counts = {str(tb.name): int((await conn.execute(
                 select(func.count()).select_from(tb))).scalar() or 0) for tb in BACKUP_TABLES}
             position = int((await conn.execute(
@@ -354,7 +354,7 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
     total = sum(x["count"] for x in header["tables"])
     bar = Progress("restore", total, unit="rows", enabled=progress)
     async with store.write() as conn:
-        await store.recorder.keep_snapshot_open(conn)
+        await store.recorder.keep_transaction_open(conn)
         if not await _is_empty(conn) and not force:
             raise BackupError(f"the database {_safe_url(store.url)} is not empty; "
                               "restore into an empty one, or pass --force to replace "

@@ -36,7 +36,7 @@ async def verify(store: Store, *, catch_up: bool = True, views: bool = True,
     rep = Report(limit)
     cp = t.checkpoints.c
     async with store.read() as conn:
-        await store.recorder.keep_snapshot_open(conn)
+        await store.recorder.keep_transaction_open(conn)
         stored = {r[0]: int(r[1]) for r in
                   (await conn.execute(select(cp.name, cp.position))).all()}
         positions = {p.name: stored.get(p.name, 0) for p in runner.projections}

@@ -154,7 +154,7 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
     register = register_events(store)
     notes: list[str] = []
     async with store.read() as conn:
-        await store.recorder.keep_snapshot_open(conn)
+        await store.recorder.keep_transaction_open(conn)
         tombs = sorted((tombstone_from_row(r) for r in
                         (await conn.execute(select(t.tombstones))).all()),
                        key=lambda x: x.position)
