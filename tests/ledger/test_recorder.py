@@ -16,10 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.appender import event_row, seal
 from ledger.backends.postgres import PostgresRecorder
-from ledger.backends.sqlite import SQLiteRecorder
+from ledger.backends.sqlite import SQLiteRecorder, database_files
 from ledger.chain import GENESIS, ChainCheck
-from ledger.records import now_iso
 from ledger.recorder import Recorder, WriteLock
+from ledger.records import now_iso
 from ledger.store import Store
 from ledger.validation import parse_event
 from tests.factories import src, write
@@ -96,12 +96,16 @@ async def test_insert_events_is_atomic_on_a_taken_key(store: Store) -> None:
     the transaction writes nothing."""
     rec = store.recorder
     await store.append(_events(2, "taken"))
-    with pytest.raises(IntegrityError):
+
+    async def insert_both() -> None:
         async with store.write() as conn:
             fresh = await _sealed(rec, conn, _events(1, "fresh"))
             again = await _sealed(rec, conn, _events(1, "taken"))
             again[0]["position"] = fresh[0]["position"] + 1
             await rec.insert_events(conn, [*fresh, *again])
+
+    with pytest.raises(IntegrityError):
+        await insert_both()
     assert await store.head() == 2
 
 
@@ -235,12 +239,13 @@ async def test_bytewise_order_is_the_same_on_both_backends(store: Store) -> None
     assert got == sorted(names)
 
 
-async def _serialised(first: Callable[[], Awaitable[None]],
-                      second: Callable[[], Awaitable[None]], log: list[str]) -> None:
-    """Start `first`, then `second` while `first` holds its transaction open."""
-    a = asyncio.create_task(first())
-    while "first in" not in log:
-        await asyncio.sleep(0.01)
+async def _serialised(first: Callable[[asyncio.Event], Awaitable[None]],
+                      second: Callable[[], Awaitable[None]]) -> None:
+    """Start `first`, then `second` once `first` (holding its transaction open) says
+    it is in."""
+    inside = asyncio.Event()
+    a = asyncio.create_task(first(inside))
+    await asyncio.wait_for(inside.wait(), 30)
     await asyncio.gather(a, second())
 
 
@@ -249,10 +254,11 @@ async def test_write_transactions_are_serial(store: Store) -> None:
     commits (so insert order equals commit order)."""
     log: list[str] = []
 
-    async def first() -> None:
+    async def first(inside: asyncio.Event) -> None:
         async with store.write() as conn:
             await store.recorder.max_position(conn)
             log.append("first in")
+            inside.set()
             await asyncio.sleep(0.4)
             log.append("first out")
 
@@ -261,7 +267,7 @@ async def test_write_transactions_are_serial(store: Store) -> None:
             log.append("second in")
             await store.recorder.max_position(conn)
 
-    await _serialised(first, second, log)
+    await _serialised(first, second)
     assert log == ["first in", "first out", "second in"]
 
 
@@ -270,16 +276,18 @@ async def test_advisory_lock_serialises_its_writers(store: Store, lock: WriteLoc
     """Two view transactions holding the same write lock run one after the other."""
     log: list[str] = []
 
-    async def hold(name: str, pause: float) -> None:
+    async def hold(name: str, pause: float, inside: asyncio.Event | None = None) -> None:
         async with store.view_write() as conn:
             await store.recorder.advisory_lock(conn, lock)
             log.append(f"{name} in")
+            if inside is not None:
+                inside.set()
             await asyncio.sleep(pause)
             await conn.execute(store.recorder.for_update(
                 select(t.meta.c.value).where(t.meta.c.name == "schema_version")))
             log.append(f"{name} out")
 
-    await _serialised(lambda: hold("first", 0.4), lambda: hold("second", 0), log)
+    await _serialised(lambda inside: hold("first", 0.4, inside), lambda: hold("second", 0))
     assert log == ["first in", "first out", "second in", "second out"]
 
 
@@ -324,7 +332,7 @@ async def test_reclaim_after_an_erasure(store: Store) -> None:
     async with store.read() as conn:
         counts = await store.recorder.dead_row_counts(conn)
     if isinstance(store.recorder, SQLiteRecorder):
-        wal = Path(store.url.split(":///", 1)[1] + "-wal")
+        wal = database_files(store.url)[1]
         assert not wal.exists() or wal.stat().st_size == 0
         assert counts == {}
     else:
