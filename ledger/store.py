@@ -132,8 +132,8 @@ class Store:
         self.url = url or os.environ.get("MEMLEDGER_DB_URL") or DEFAULT_URL
         self.recorder = recorder_for(self.url, pool_size=pool_size, write_turns=write_turns)
         self.turn = self.recorder.turn
-        #: The backend's name, `sqlite` or `postgresql` (reported, never branched on:
-        #: what differs between backends is in `ledger.backends`).
+        #: The backend's name, `sqlite` or `postgresql`. What differs between the
+        #: backends in the ledger is in `ledger.backends`, behind `self.recorder`.
         self.dialect = self.recorder.name
         self.engine = self.recorder.engine
         self.register = ForgetRegister(register_path or default_register_path(self.url))
