@@ -36,7 +36,7 @@ from ledger.builders import Source as WireSource
 from ledger.builders import wire
 from ledger.events import Event, Source, derive_memory_id, encode_json
 from ledger.logs import configure
-from ledger.store import event_from_wire
+from ledger.records import event_from_wire
 from ledger.validation import parse_event
 
 QUICK_ENV: Final = "MEMLEDGER_BENCH_QUICK"

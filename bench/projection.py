@@ -46,7 +46,8 @@ from bench.common import (
 )
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json, parse_rfc3339, to_us
-from ledger.store import Store, StoredEvent
+from ledger.records import StoredEvent
+from ledger.store import Store
 from projections.runner import MemoryProjection, Projection, Runner, default_projections
 
 BATCH = 1000

@@ -28,7 +28,7 @@ from ledger.errors import (
     ValidationError,
 )
 from ledger.events import Event
-from ledger.store import AppendResult
+from ledger.records import AppendResult
 from memledger import events
 from memledger._ledger import MemoryLedger, Principal, Source
 from memledger.results import Memory, MemoryVersion, Recall, RecalledTask, RecallItem, TaskSummary

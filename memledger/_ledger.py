@@ -17,7 +17,8 @@ from ledger import builders
 from ledger.builders import Source, SourceLike
 from ledger.errors import BrokerUnavailable, ValidationError
 from ledger.events import Event
-from ledger.store import AppendResult, Store
+from ledger.records import AppendResult
+from ledger.store import Store
 from ledger.validation import parse_event
 from memledger.results import Memory, MemoryVersion, Recall, TaskSummary
 from projections import reads

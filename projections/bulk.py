@@ -60,7 +60,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, TASK_TYPES, encode_json
-from ledger.store import STORED_COLUMNS, Store, stored_from_row, tombstone_from_row
+from ledger.recorder import STORED_COLUMNS
+from ledger.records import stored_from_row
+from ledger.store import Store, tombstone_from_row
 from projections.memory import (
     WRITE_COLUMNS,
     WriteFact,

@@ -24,7 +24,8 @@ from ledger.events import (
     source_wire,
     to_us,
 )
-from ledger.store import StoredEvent, Tombstone
+from ledger.records import StoredEvent
+from ledger.store import Tombstone
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json, ns_path
-from ledger.store import Store, StoredEvent, Tombstone, pairs_in
+from ledger.recorder import Recorder, pairs_in
+from ledger.records import StoredEvent
+from ledger.store import Store, Tombstone
 from projections.memory import Mark, WriteFact, fact_from_row, marks_of, resolve_slot, write_fact
 from projections.reads import prefix_match
 from projections.tasks import Note, note_body, summarize
@@ -447,10 +449,7 @@ async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:
     else:
         cond = and_(ev.task_key == ts.task_key, ev.order_key <= ts.order_key, or_(
             ev.type.in_(TASK_CONTENT_TYPES), and_(ev.type.in_(WRITE_TYPES), ev.layer == "task")))
-    res = await conn.execute(update(t.events).where(ev.tenant == ts.tenant, cond,
-                                                   ev.payload.is_not(None))
-                             .values(payload=None, redacted=True))
-    return int(res.rowcount or 0)
+    return await Recorder.erase_payloads(conn, ev.tenant == ts.tenant, cond)
 
 
 def default_projections() -> list[Projection]:
@@ -516,7 +515,7 @@ class Runner:
                   events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1))
         if proj.name == "erasure" and any(
                 se.type in ("memory.forgotten", "task.purged") for se in batch):
-            await self.store.sqlite_checkpoint()
+            await self.store.reclaim()
         return hi - position
 
     async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledger.events import encode_json, parse_rfc3339, to_us
-from ledger.store import StoredEvent, Tombstone
+from ledger.records import StoredEvent
+from ledger.store import Tombstone
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
-from ledger.store import Store, StoredEvent, Tombstone
+from ledger.records import StoredEvent
+from ledger.store import Store, Tombstone
 from projections.bulk import finished, page_after, progressed
 from projections.embedding import Embedder, get_embedder
 from projections.reads import not_forgotten, prefix_match, task_not_forgotten

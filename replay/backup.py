@@ -36,13 +36,15 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, Final, cast
 
 import orjson
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.chain import ChainCheck
 from ledger.errors import BackupError
 from ledger.events import digest
-from ledger.store import GENESIS, Store, chain_link, now_iso, tombstone_from_row
+from ledger.records import now_iso
+from ledger.store import Store, tombstone_from_row
 from projections.runner import default_projections
 from replay.errors import DatabaseNotEmpty, RegisterMissing
 from replay.progress import Progress, ProgressCallback
@@ -101,8 +103,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *,
     erased = 0
     try:
         async with store.read() as conn:
-            if store.dialect == "postgresql":
-                await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+            await store.recorder.keep_transaction_open(conn)
             counts = {str(tb.name): int((await conn.execute(
                 select(func.count()).select_from(tb))).scalar() or 0) for tb in BACKUP_TABLES}
             position = int((await conn.execute(
@@ -123,7 +124,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *,
                 columns = [c.name for c in tb.columns]
                 binary = set(binary_columns(tb))
                 writer.line(orjson.dumps({"table": tb.name}))
-                async for part in stream_rows(conn, tb, store.dialect, batch=2000):
+                async for part in stream_rows(conn, tb, store.recorder, batch=2000):
                     for r in part:
                         row = row_dict(r)
                         if tb is t.events and row["payload"] is not None and \
@@ -231,7 +232,7 @@ class BackupReader:
         total = 0
         next_table = 0
         batch: list[dict[str, Any]] = []
-        prev, expected = GENESIS, 1
+        chain, expected = ChainCheck(), 1
         trailer: dict[str, Any] | None = None
         last_line = 0
         for n, raw in self._lines():
@@ -279,7 +280,7 @@ class BackupReader:
             except (binascii.Error, TypeError, ValueError) as e:
                 raise self._fail(n, "damaged binary value") from e
             if table is t.events:
-                prev, expected = self._check_event(n, row, prev, expected)
+                expected = self._check_event(n, row, chain, expected)
             seen += 1
             total += 1
             batch.append(row)
@@ -300,20 +301,20 @@ class BackupReader:
         if batch:
             yield table, batch
 
-    def _check_event(self, n: int, row: dict[str, Any], prev: str, expected: int
-                     ) -> tuple[str, int]:
+    def _check_event(self, n: int, row: dict[str, Any], chain: ChainCheck, expected: int
+                     ) -> int:
         if row["position"] != expected:
             raise self._fail(n, f"event position {row['position']} where {expected} was "
                                 "expected")
         try:
-            link = chain_link(prev, row)
+            holds = chain.holds(row)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise self._fail(n, "damaged event envelope") from e
-        if link != row["chain"]:
+        if not holds:
             raise self._fail(n, f"hash chain broken at position {expected}")
         if row["payload"] is not None and digest(row["payload"]) != row["content_digest"]:
             raise self._fail(n, f"payload of position {expected} does not match its digest")
-        return link, expected + 1
+        return expected + 1
 
     def check(self) -> dict[str, Any]:
         """Read the whole file and check it; returns the header."""
@@ -331,12 +332,12 @@ async def _is_empty(conn: AsyncConnection) -> bool:
     return True
 
 
-async def _clear(conn: AsyncConnection) -> None:
+async def _clear(store: Store, conn: AsyncConnection) -> None:
     for tb in (*t.VIEW_TABLES, *reversed(BACKUP_TABLES), t.checkpoints):
-        await conn.execute(delete(tb))
+        await store.recorder.delete_rows(conn, tb)
     # Bookkeeping of the views just cleared (e.g. `vectors.pending_after`, rebuild
     # markers); the schema version stays.
-    await conn.execute(delete(t.meta).where(t.meta.c.name != "schema_version"))
+    await store.recorder.delete_rows(conn, t.meta, t.meta.c.name != "schema_version")
 
 
 async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = False,
@@ -352,15 +353,14 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
     total = sum(x["count"] for x in header["tables"])
     bar = Progress("restore", total, unit="rows", report=progress)
     async with store.write() as conn:
-        if store.dialect == "postgresql":
-            await conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+        await store.recorder.keep_transaction_open(conn)
         if not await _is_empty(conn) and not force:
             raise DatabaseNotEmpty(_safe_url(store.url))
-        await _clear(conn)
+        await _clear(store, conn)
         # The reader re-checks the checksum at the end: a file changed since the
         # check raises here, inside the transaction, which then rolls back.
         for table, batch in reader.rows():
-            await conn.execute(table.insert(), batch)
+            await store.recorder.import_rows(conn, table, batch)
             bar.advance(len(batch))
         # Projections count as caught up until the register is reapplied: a worker
         # running meanwhile must not project restored content that a forget recorded
@@ -368,10 +368,7 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
         await conn.execute(t.checkpoints.insert(), [
             {"name": p.name, "position": header["position"]}
             for p in default_projections()])
-        if store.dialect == "postgresql":
-            await conn.execute(text(
-                "SELECT setval(pg_get_serial_sequence('dead_letters', 'id'), "
-                "COALESCE(MAX(id), 1), MAX(id) IS NOT NULL) FROM dead_letters"))
+        await store.recorder.after_import(conn)
     bar.finish()
     rebuilt = await rebuild(store, restart=True, progress=progress)
     return {"restored": {"path": str(path), "position": header["position"],

@@ -22,22 +22,14 @@ from typing import Any, Final
 
 import structlog
 from sqlalchemy import delete, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.appender import record_unchecked
 from ledger.errors import IdempotencyConflict, RegisterError, ValidationError
-from ledger.events import Event, ns_path
-from ledger.store import (
-    GENESIS,
-    Store,
-    chain_link,
-    now_iso,
-    tombstone_from_row,
-    tombstone_of,
-    tombstone_row,
-)
+from ledger.events import Event
+from ledger.records import now_iso
+from ledger.store import Store, tombstone_from_row, tombstone_of, tombstone_row
 from ledger.validation import parse_event
 from projections.bulk import restore_shape
 from projections.runner import (
@@ -111,38 +103,13 @@ async def _record_forget(store: Store, ev: Event) -> int:
     a restore from an older backup its memory may not be there yet, and the forget must
     still be recorded, or a late replay of that memory's write would bring it back.
     """
-    d = ev.data
-    nsp = None
-    if "namespace" in d:
-        nsp = ns_path(d["namespace"])
-    elif "namespace_prefix" in d:
-        nsp = ns_path(d["namespace_prefix"])
     e = t.events.c
     async with store.write() as conn:
         row0 = (await conn.execute(select(e.position).where(
             e.tenant == ev.tenant, e.idempotency_key == ev.idempotency_key))).first()
         if row0 is not None:
             return int(row0[0])
-        last = (await conn.execute(select(e.position, e.chain)
-                                   .order_by(e.position.desc()).limit(1))).first()
-        position, prev = (int(last[0]) + 1, str(last[1])) if last else (1, GENESIS)
-        s = ev.source
-        row: dict[str, Any] = {c.name: None for c in t.events.columns}
-        row.update({
-            "position": position, "tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
-            "type": ev.type, "actor": ev.actor, "source_kind": s.kind, "source_id": s.id,
-            "source_at": s.at, "source_seq": s.seq, "source_event_id": s.event_id,
-            "order_key": ev.order, "memory_id": ev.memory_id, "ns_path": nsp,
-            "mkey": d.get("key"), "task_key": ev.task_key, "payload": ev.encode(),
-            "content_digest": ev.content_digest, "recorded_at": now_iso(),
-            "suppressed": False, "redacted": False,
-        })
-        row["chain"] = chain_link(prev, row)
-        await conn.execute(t.events.insert(), [row])
-        ts = tombstone_of(ev, position)
-        if ts is not None:
-            await conn.execute(t.tombstones.insert(), [tombstone_row(ts)])
-    return position
+        return await record_unchecked(store, conn, ev)
 
 
 async def reapply_register(store: Store) -> dict[str, Any]:
@@ -183,14 +150,14 @@ async def reapply_register(store: Store) -> dict[str, Any]:
             if pos and typ == ev.type and pos not in have:
                 ts = tombstone_of(ev, pos)
                 if ts is not None:
-                    await conn.execute(t.tombstones.insert(), [tombstone_row(ts)])
+                    await store.recorder.insert_tombstones(conn, [tombstone_row(ts)])
                     have.add(pos)
                     inserted += 1
         for r in (await conn.execute(select(t.tombstones).order_by(t.tombstones.c.position))
                   ).all():
             erased += await erase_payloads(conn, tombstone_from_row(r))
     if erased:
-        await store.sqlite_checkpoint()
+        await store.reclaim()
     return {"register": str(store.register.path), "register_exists": store.register.exists(),
             "entries": len(events), "already_in_ledger": len(events) - len(appended),
             "appended": appended, "tombstones_inserted": inserted, "payloads_erased": erased,
@@ -201,13 +168,10 @@ async def reapply_register(store: Store) -> dict[str, Any]:
 
 async def _lock_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:
     """Create the checkpoint row if needed and lock it for this transaction."""
-    ins = pg_insert if store.dialect == "postgresql" else sqlite_insert
-    await conn.execute(ins(t.checkpoints).values(name=name, position=0)
-                       .on_conflict_do_nothing())
-    q = select(t.checkpoints.c.position).where(t.checkpoints.c.name == name)
-    if store.dialect == "postgresql":
-        q = q.with_for_update()
-    await conn.execute(q)
+    await conn.execute(store.recorder.insert_ignore(t.checkpoints)
+                       .values(name=name, position=0))
+    await conn.execute(store.recorder.for_update(
+        select(t.checkpoints.c.position).where(t.checkpoints.c.name == name)))
 
 
 async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True) -> None:
@@ -223,8 +187,8 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
         await _lock_checkpoint(conn, store, proj.name)
         for table in proj.tables:
             await conn.execute(delete(table))
-        if store.dialect == "sqlite":
-            await conn.run_sync(restore_shape, proj.name, proj.tables)
+        # Indexes a cut-off bulk load dropped (SQLite loads only; elsewhere a no-op).
+        await conn.run_sync(restore_shape, proj.name, proj.tables)
         # A projection's own bookkeeping rows are named `<name>.<what>` (for example
         # `vectors.pending_after`): they describe the rows just dropped.
         await conn.execute(delete(t.meta).where(m.name.startswith(f"{proj.name}.",
@@ -305,5 +269,5 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
                         "events_per_s": round(n / seconds) if seconds > 0 else None}
         log.info("projection_rebuilt", projection=p.name, events=n, head=head)
     bar.finish()
-    await store.sqlite_checkpoint()
+    await store.reclaim()
     return {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from sqlalchemy import LargeBinary, String, Table, Text, select
+from sqlalchemy import LargeBinary, Table, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.events import MEMORY_WRITES
+from ledger.recorder import Recorder
 from ledger.store import Tombstone
 
 #: Task events whose content a forget or purge erases (the purge itself keeps its own).
@@ -21,30 +22,21 @@ TASK_CONTENT: Final = frozenset({"task.opened", "task.noted", "task.closed"})
 FORGETS: Final = frozenset({"memory.forgotten", "task.purged"})
 
 
-def order_columns(table: Table, dialect: str) -> list[Any]:
-    """The table's primary key as ORDER BY terms that sort alike on both backends.
-
-    PostgreSQL sorts text by the database collation; `COLLATE "C"` makes it bytewise,
-    which is how SQLite sorts (BINARY), so a merge of the two streams lines up.
-    """
+def order_columns(table: Table, recorder: Recorder) -> list[Any]:
+    """The table's primary key as ORDER BY terms that sort alike on both backends
+    (text bytewise: `Recorder.bytewise`), so a merge of two streams lines up."""
     cols = list(table.primary_key.columns) or list(table.columns)
-    out: list[Any] = []
-    for c in cols:
-        if dialect == "postgresql" and isinstance(c.type, String | Text):
-            out.append(c.collate("C"))
-        else:
-            out.append(c)
-    return out
+    return [recorder.bytewise(c) for c in cols]
 
 
-async def stream_rows(conn: AsyncConnection, table: Table, dialect: str, *,
+async def stream_rows(conn: AsyncConnection, table: Table, recorder: Recorder, *,
                       where: Any = None, batch: int = 1000
                       ) -> AsyncIterator[Sequence[Any]]:
     """Yield lists of rows of `table` in primary-key order, `batch` rows at a time."""
     q = select(table)
     if where is not None:
         q = q.where(where)
-    result = await conn.stream(q.order_by(*order_columns(table, dialect)))
+    result = await conn.stream(q.order_by(*order_columns(table, recorder)))
     async for part in result.partitions(batch):
         yield part
 

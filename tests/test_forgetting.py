@@ -289,7 +289,7 @@ async def test_verify_forgotten_checks_dead_letters(store: Store) -> None:
     """`replay verify --forgotten` reports a dead letter still holding covered content."""
     from sqlalchemy import update
 
-    from replay.verify import verify_forgotten
+    from replay.verify.forgotten import verify_forgotten
 
     bad = write("lang", "KIWI", source=src(at=at(1)))
     await store.append_one(parse_event(forget(2, namespace=NS, key="lang")))

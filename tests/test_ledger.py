@@ -9,8 +9,9 @@ import pytest
 from sqlalchemy import select
 
 from ledger import schema as t
+from ledger.chain import GENESIS, chain_link
 from ledger.errors import ConcurrencyConflict, IdempotencyConflict, ValidationError
-from ledger.store import GENESIS, Store, chain_link
+from ledger.store import Store
 from ledger.validation import parse_event
 from tests.factories import event, src, write
 

@@ -24,7 +24,8 @@ from ledger.validation import parse_event
 from projections import reads
 from projections.recall import recall
 from replay.backup import BackupReader, backup, restore
-from replay.verify import verify, verify_forgotten
+from replay.verify import verify
+from replay.verify.forgotten import verify_forgotten
 from tests.cli import Cli
 from tests.factories import event, src, write
 from tests.helpers import dump_views

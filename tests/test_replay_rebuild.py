@@ -13,7 +13,8 @@ from ledger.validation import parse_event
 from projections import reads
 from projections.runner import Runner
 from replay.rebuild import in_progress, rebuild, reset_projection
-from replay.verify import verify, verify_forgotten
+from replay.verify import verify
+from replay.verify.forgotten import verify_forgotten
 from tests.cli import Cli
 from tests.factories import event, src, write
 from tests.helpers import dump_views

@@ -20,7 +20,8 @@ from ledger.events import encode_json
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.runner import Runner
-from replay.verify import verify, verify_forgotten
+from replay.verify import verify
+from replay.verify.forgotten import verify_forgotten
 from tests.cli import Cli
 from tests.factories import event, src, write
 

@@ -26,8 +26,9 @@ import redis
 from sqlalchemy import select
 
 from ledger import schema as t
+from ledger.appender import Appender, Request
 from ledger.events import Event
-from ledger.store import Store, _Appender, _Request
+from ledger.store import Store
 from ledger.validation import parse_event
 from projections.runner import Runner
 from tests.factories import src, write
@@ -352,10 +353,10 @@ async def test_postgres_slow_commit_is_not_skipped_and_rollback_leaves_no_hole(
 
     async def held_append(ev: Event, commit: bool, hold: float) -> None:
         """The ledger's own append path, with the transaction kept open for `hold` s."""
-        req = _Request([ev], asyncio.get_running_loop().create_future())
+        req = Request([ev], asyncio.get_running_loop().create_future())
         with contextlib.suppress(RuntimeError):
             async with ledger.write() as conn:
-                _, outcomes = await _Appender(ledger, conn).run([req])
+                _, outcomes = await Appender(ledger, conn).run([req])
                 assert not isinstance(outcomes[0], BaseException)
                 await asyncio.sleep(hold)
                 if not commit:

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from ledger import schema as t
+from ledger.backends.sqlite import WriteTurn, turn_path
 from ledger.events import Event
 from ledger.store import Store
 from ledger.validation import parse_event
@@ -21,7 +22,6 @@ from tests.factories import src, write
 from tests.helpers import dump_views, fresh_replay
 from workers.broker import LedgerBroker
 from workers.projector import URGENT, Projector
-from workers.turns import TurnStore, WriteTurn, turn_path
 from workers.wake import WakeListener, WakeSender, broker_sender
 
 
@@ -105,8 +105,8 @@ async def test_turn_stores_sharing_a_file_converge(tmp_path: Path) -> None:
     """Two stores taking turns on one SQLite file, appending and projecting at once:
     every event once, every view equal to a rebuild."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
-    one = TurnStore(url, register_path=str(tmp_path / "l.forgets"))
-    two = TurnStore(url, register_path=str(tmp_path / "l.forgets"))
+    one = Store(url, register_path=str(tmp_path / "l.forgets"), write_turns=True)
+    two = Store(url, register_path=str(tmp_path / "l.forgets"), write_turns=True)
     await one.open()
     await two.open()
     assert one.turn is not None and two.turn is not None
@@ -129,8 +129,8 @@ async def test_turn_stores_sharing_a_file_converge(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 async def test_turn_store_on_postgres_takes_no_turn(pg_url: str, register_path: str) -> None:
-    """PostgreSQL queues its own lock waiters: a TurnStore there is a plain Store."""
-    store = TurnStore(pg_url, register_path=register_path)
+    """PostgreSQL queues its own lock waiters: write turns there are none."""
+    store = Store(pg_url, register_path=register_path, write_turns=True)
     await store.open()
     try:
         assert store.turn is None

@@ -19,13 +19,15 @@ from typing import Any
 
 import orjson
 import structlog
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.errors import ValidationError
 from ledger.events import Event, encode_json
-from ledger.store import Store, now_iso
+from ledger.recorder import WriteLock
+from ledger.records import now_iso
+from ledger.store import Store
 from ledger.validation import parse_event
 from projections.runner import dead_letter_covered
 from workers.policy import (
@@ -194,9 +196,8 @@ async def record_dead_letters(store: Store, items: Sequence[tuple[Any, BaseExcep
                     reason=f["error"][:200])
     written = 0
     async with store.view_write() as conn:
-        if store.dialect == "postgresql":
-            # Two daemons recording the same redelivered message must not both insert.
-            await conn.execute(text("SELECT pg_advisory_xact_lock(7231006)"))
+        # Two daemons recording the same redelivered message must not both insert.
+        await store.recorder.advisory_lock(conn, WriteLock.DEAD_LETTERS)
         tombs = await store.tombstones(conn, {r["tenant"] for r in rows if r["tenant"]})
         for row in rows:
             if row["payload"] is not None and any(

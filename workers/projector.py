@@ -23,9 +23,9 @@ others whenever new events were committed meanwhile, so a slow projection (the v
 index costs about half of all projection work) never holds the active-memory view back.
 While appends are arriving the other projections are stepped in *slices* sized to hold
 the write lock about `SLICE_S` (estimated from their measured cost per position), so an
-append waiting for its turn at the lock (`workers.turns`) never waits long behind one;
-urgent projections always take whole batches. When the ledger is quiet the projector
-runs in whole batches throughout.
+append waiting for its turn at the lock (`ledger.backends.sqlite.WriteTurn`) never waits
+long behind one; urgent projections always take whole batches. When the ledger is quiet
+the projector runs in whole batches throughout.
 
 Lost, duplicated or reordered wake-ups change nothing but timing; the sweep bounds the
 delay when wake-ups are lost altogether. Across processes and machines the checkpoint
@@ -139,8 +139,8 @@ class Projector:
             await self._dirty.wait()
             # Leave room between passes: commits arriving meanwhile are projected
             # together. (Appends get the write lock between any two batches: their
-            # transactions queue for it with ours, `workers.turns`, also when this
-            # process ingests too.)
+            # transactions queue for it with ours, `ledger.backends.sqlite.WriteTurn`, also
+            # when this process ingests too.)
             pause = ended + self.min_interval - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from ledger.errors import MemledgerError
+from ledger.store import Store
 from workers.broker import (
     DEFAULT_THREADS,
     INGEST_QUEUE,
@@ -27,7 +28,6 @@ from workers.broker import (
 from workers.ingest import AppendBatcher
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
-from workers.turns import TurnStore
 from workers.wake import WakeListener, WakeSender, broker_sender
 
 log = structlog.get_logger("memledger.workers")
@@ -78,7 +78,8 @@ class Runtime:
         self.settings = settings
         self.broker = broker
         # Write transactions take turns with the other worker processes (SQLite).
-        self.store = TurnStore(settings.db_url, register_path=settings.register_path)
+        self.store = Store(settings.db_url, register_path=settings.register_path,
+                           write_turns=True)
         self.append = AppendBatcher(self.store)
         self.projector = (Projector(self.store) if settings.projects
                           else None)

@@ -108,7 +108,8 @@ async def cmd_audit(args: argparse.Namespace) -> int:
 
 async def cmd_verify(args: argparse.Namespace) -> int:
     """Check integrity (or erasure with --forgotten); exit 1 on any problem."""
-    from replay.verify import verify, verify_forgotten
+    from replay.verify import verify
+    from replay.verify.forgotten import verify_forgotten
 
     store = open_store(args)
     try:

@@ -1,0 +1,333 @@
+"""The append path: checks of each request, then one insert per group commit.
+
+`Store.append` queues requests; its writer task takes a group of them into one write
+transaction (`Recorder.write`) and hands them to an `Appender`, which checks every
+request against the ledger (idempotency, ownership, expected versions, tombstones),
+builds and seals the rows (`event_row`, `seal`: the one place new chain links are
+computed) and writes them with the recorder's verbs. A rejected request leaves the
+group's state as it was (`_Undo`), so the other requests still commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.chain import chain_link
+from ledger.errors import (
+    ConcurrencyConflict,
+    IdempotencyConflict,
+    MemledgerError,
+    ValidationError,
+)
+from ledger.events import (
+    MEMORY_WRITES,
+    NS_SEP,
+    TASK_TYPES,
+    USER_KINDS,
+    Event,
+    derive_memory_id,
+    ns_path,
+)
+from ledger.recorder import pairs_in
+from ledger.records import AppendResult, now_iso
+
+if TYPE_CHECKING:
+    from ledger.store import Store, Tombstone
+
+log = structlog.get_logger("memledger.ledger")
+
+#: Requests taken into one group-commit transaction, counted in events.
+GROUP_MAX_EVENTS: Final = 4000
+
+
+class ForgetRule(NamedTuple):
+    """What a forget or purge records, as the appender applies it (`ledger.store`
+    holds the rule and hands it over as `Store.forget_rule`)."""
+
+    tombstone_of: Callable[[Event, int], Tombstone | None]
+    tombstone_row: Callable[[Tombstone], dict[str, Any]]
+    register_entry: Callable[[Event, int], dict[str, Any]]
+
+
+_MISSING: Final = object()
+
+
+class _Undo:
+    """An undo log over dicts, so a failed request leaves the group state untouched."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[dict[Any, Any], Any, Any]] = []
+
+    def set(self, d: dict[Any, Any], k: Any, v: Any) -> None:
+        self.log.append((d, k, d.get(k, _MISSING)))
+        d[k] = v
+
+    def rollback(self) -> None:
+        for d, k, old in reversed(self.log):
+            if old is _MISSING:
+                d.pop(k, None)
+            else:
+                d[k] = old
+        self.log.clear()
+
+
+@dataclass
+class Request:
+    """One `Store.append` call waiting for its group commit."""
+
+    events: Sequence[Event]
+    future: asyncio.Future[list[AppendResult]]
+
+
+def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
+              owner_path: str | None) -> dict[str, Any]:
+    """The `events` row of an event at `position`, not yet sealed (no `chain`)."""
+    d = ev.data
+    nsp: str | None = None
+    if "namespace" in d:
+        nsp = ns_path(d["namespace"])
+    elif "namespace_prefix" in d:
+        nsp = ns_path(d["namespace_prefix"])
+    elif owner_path is not None:
+        nsp = owner_path
+    s = ev.source
+    return {
+        "position": position, "tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
+        "type": ev.type, "actor": ev.actor, "source_kind": s.kind, "source_id": s.id,
+        "source_at": s.at, "source_seq": s.seq, "source_event_id": s.event_id,
+        "order_key": ev.order, "slot": ev.slot, "memory_id": ev.memory_id,
+        "ns_path": nsp, "mkey": d.get("key"), "layer": d.get("layer"),
+        "task_key": ev.task_key,
+        "supersedes": d.get("supersedes") if ev.is_write else None,
+        # A suppressed event keeps its envelope and digest, never its content (R22).
+        "payload": None if suppressed else ev.encode(),
+        "content_digest": ev.content_digest, "recorded_at": recorded, "suppressed": suppressed,
+        "redacted": False,
+    }
+
+
+class Appender:
+    """One group-commit transaction: checks every request, then inserts in one go."""
+
+    def __init__(self, store: Store, conn: AsyncConnection) -> None:
+        self.store = store
+        self.recorder = store.recorder
+        self.rule = store.forget_rule
+        self.conn = conn
+        self.idem: dict[tuple[str, str], tuple[str, int, bool]] = {}
+        self.mem_owner: dict[tuple[str, str], str] = {}   # (tenant, memory_id) -> ns_path
+        self.task_owner: dict[tuple[str, str], str] = {}  # (tenant, task_key) -> ns_path
+        self.tombs: dict[str, list[Tombstone]] = {}
+        self.counts: dict[str, int] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.tomb_rows: list[dict[str, Any]] = []
+        self.owner_rows: dict[tuple[str, str], str] = {}
+        self.register: list[dict[str, Any]] = []
+
+    async def _prefetch(self, group: list[Request]) -> None:
+        evs = [e for r in group for e in r.events]
+        keys = sorted({(e.tenant, e.idempotency_key) for e in evs})
+        tenants = sorted({e.tenant for e in evs})
+        # A derived id needs no lookup: it is unique when its idempotency key is, and no
+        # explicit id may take that form (validation). Targets of marks are looked up.
+        mids = sorted({(e.tenant, e.memory_id) for e in evs if e.memory_id and not (
+            e.is_write and e.memory_id == derive_memory_id(e.tenant, e.idempotency_key))})
+        tks = sorted({(e.tenant, e.task_key) for e in evs if e.task_key})
+        c = self.conn
+        ev = t.events.c
+        for chunk in chunks(keys, 400):
+            q1 = select(ev.tenant, ev.idempotency_key, ev.content_digest, ev.position,
+                        ev.suppressed).where(pairs_in(ev.tenant, ev.idempotency_key, chunk))
+            for r in (await c.execute(q1)).all():
+                self.idem[(r[0], r[1])] = (r[2], r[3], bool(r[4]))
+        for chunk in chunks(mids, 400):
+            q2 = select(ev.tenant, ev.memory_id, ev.ns_path).where(
+                pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(MEMORY_WRITES))
+            for r2 in (await c.execute(q2)).all():
+                self.mem_owner[(r2[0], r2[1])] = r2[2]
+        to = t.task_owners.c
+        for chunk in chunks(tks, 400):
+            q3 = select(to.tenant, to.task_key, to.ns_path).where(
+                pairs_in(to.tenant, to.task_key, chunk))
+            for r3 in (await c.execute(q3)).all():
+                self.task_owner[(r3[0], r3[1])] = r3[2]
+        for ts in await self.store.tombstones(c, tenants):
+            self.tombs.setdefault(ts.tenant, []).append(ts)
+
+    async def _count(self, target: str, *, task: bool, tenant: str) -> int:
+        if target not in self.counts:
+            ev = t.events.c
+            if task:
+                q = select(func.count()).where(ev.tenant == tenant, ev.task_key == target,
+                                               ev.type.in_(TASK_TYPES))
+            else:
+                q = select(func.count()).where(ev.slot == target)
+            self.counts[target] = int((await self.conn.execute(q)).scalar() or 0)
+        return self.counts[target]
+
+    async def run(self, group: list[Request]
+                  ) -> tuple[int, list[list[AppendResult] | BaseException]]:
+        await self._prefetch(group)
+        position, chain = await self.recorder.last_link(self.conn)
+        outcomes: list[list[AppendResult] | BaseException] = []
+        recorded = now_iso()
+        for req in group:
+            undo = _Undo()
+            mark = (len(self.rows), len(self.tomb_rows), len(self.register), position, chain)
+            try:
+                results: list[AppendResult] = []
+                for ev in req.events:
+                    res, position, chain = await self._one(ev, position, chain, recorded, undo)
+                    results.append(res)
+                outcomes.append(results)
+            except MemledgerError as e:
+                undo.rollback()
+                del self.rows[mark[0]:]
+                del self.tomb_rows[mark[1]:]
+                del self.register[mark[2]:]
+                position, chain = mark[3], mark[4]
+                outcomes.append(e)
+        if self.rows:
+            # Register first: if the commit then fails, reapplying a forget that was asked
+            # for is harmless; a committed forget missing from the register is not.
+            self.store.register.append(self.register)
+            await self.recorder.insert_events(self.conn, self.rows)
+            if self.tomb_rows:
+                await self.recorder.insert_tombstones(self.conn, self.tomb_rows)
+            if self.owner_rows:
+                await self.conn.execute(t.task_owners.insert(), [
+                    {"tenant": k[0], "task_key": k[1], "ns_path": v}
+                    for k, v in self.owner_rows.items()])
+        return position, outcomes
+
+    async def _one(self, ev: Event, position: int, chain: str, recorded: str,
+                   undo: _Undo) -> tuple[AppendResult, int, str]:
+        dig = ev.content_digest
+        prior = self.idem.get((ev.tenant, ev.idempotency_key))
+        if prior is not None:
+            if prior[0] != dig:
+                raise IdempotencyConflict(ev.idempotency_key)
+            return AppendResult("duplicate", prior[1], prior[2]), position, chain
+        d = ev.data
+        slot = ev.slot
+        owner_path: str | None = None
+        if ev.is_write:
+            mkey = (ev.tenant, d["memory_id"])
+            if mkey in self.mem_owner:
+                raise ValidationError("data.memory_id", f"memory_id {d['memory_id']!r} is "
+                                      "already used by another write; omit it to derive one")
+        if ev.type in ("memory.superseded", "memory.confirmed") or (
+                ev.type == "memory.forgotten" and "memory_id" in d):
+            self._check_target_owner(ev, d["memory_id"])
+        if ev.task_key is not None and ev.type in TASK_TYPES:
+            owner_path = self._check_task(ev, undo)
+        if ev.expected_version is not None:
+            target = slot if slot is not None else ev.task_key
+            if target is None:
+                raise ValidationError("expected_version", "applies only to memory writes "
+                                      "and task events")
+            actual = await self._count(target, task=slot is None, tenant=ev.tenant)
+            if actual != ev.expected_version:
+                label = (f"slot {d.get('key')!r} in {'/'.join(d['namespace'])}"
+                         if slot else f"task {ev.task_key!r}")
+                raise ConcurrencyConflict(label, ev.expected_version, actual)
+        suppressed = self._covered(ev, owner_path)
+        position += 1
+        row = event_row(ev, position, recorded, suppressed=suppressed, owner_path=owner_path)
+        chain = seal(row, chain)
+        self.rows.append(row)
+        undo.set(self.idem, (ev.tenant, ev.idempotency_key), (dig, position, suppressed))
+        if ev.is_write:
+            undo.set(self.mem_owner, (ev.tenant, d["memory_id"]), ns_path(d["namespace"]))
+        target = slot if slot is not None else (ev.task_key if ev.type in TASK_TYPES else None)
+        if target is not None and target in self.counts:
+            undo.set(self.counts, target, self.counts[target] + 1)
+        ts = None if suppressed else self.rule.tombstone_of(ev, position)
+        if ts is not None:
+            self.tomb_rows.append(self.rule.tombstone_row(ts))
+            lst = self.tombs.setdefault(ev.tenant, [])
+            undo.set(self.tombs, ev.tenant, [*lst, ts])
+            self.register.append(self.rule.register_entry(ev, position))
+        log.debug("event_appended", tenant=ev.tenant, position=position, type=ev.type,
+                  suppressed=suppressed)
+        return AppendResult("appended", position, suppressed), position, chain
+
+    def _check_target_owner(self, ev: Event, memory_id: str) -> None:
+        owner = self.mem_owner.get((ev.tenant, memory_id))
+        if ev.source.kind not in USER_KINDS:
+            return
+        if owner is None:
+            raise ValidationError("data.memory_id", f"no memory {memory_id!r} in tenant "
+                                  f"{ev.tenant!r} that {ev.actor!r} may change")
+        if owner.split(NS_SEP)[1] != ev.actor:
+            # Same message as "no such memory": a user must not learn what others hold.
+            raise ValidationError("data.memory_id", f"no memory {memory_id!r} in tenant "
+                                  f"{ev.tenant!r} that {ev.actor!r} may change")
+
+    def _check_task(self, ev: Event, undo: _Undo) -> str | None:
+        k = (ev.tenant, str(ev.task_key))
+        owner = self.task_owner.get(k)
+        if ev.type == "task.opened":
+            path = ns_path(ev.data["namespace"])
+            if owner is not None and owner != path:
+                raise ValidationError("data.task_key", f"task {ev.task_key!r} is already "
+                                      "open under another owner; use a new task key")
+            if owner is None:
+                undo.set(self.task_owner, k, path)
+                undo.set(self.owner_rows, k, path)
+            return path
+        if ev.source.kind in USER_KINDS and (
+                owner is None or owner.split(NS_SEP)[1] != ev.actor):
+            raise ValidationError("data.task_key", f"no open task {ev.task_key!r} owned by "
+                                  f"{ev.actor!r}; open it first (task.opened)")
+        return owner
+
+    def _covered(self, ev: Event, owner_path: str | None) -> bool:
+        tombs = self.tombs.get(ev.tenant)
+        if not tombs:
+            return False
+        order = ev.order
+        d = ev.data
+        if ev.is_write:
+            nsp = ns_path(d["namespace"])
+            return any(ts.covers_write(ev.tenant, d["memory_id"], nsp, d["key"],
+                                       d.get("task_key"), order) for ts in tombs)
+        if ev.type in TASK_TYPES and ev.type != "task.purged":
+            return any(ts.covers_task(ev.tenant, str(ev.task_key), owner_path, order)
+                       for ts in tombs)
+        return False
+
+
+def seal(row: dict[str, Any], prev: str) -> str:
+    """Link a new row to the chain after `prev`; returns (and sets) its `chain`."""
+    row["chain"] = chain_link(prev, row)
+    return str(row["chain"])
+
+
+async def record_unchecked(store: Store, conn: AsyncConnection, ev: Event) -> int:
+    """Append one event without the append path's checks, inside a write transaction
+    (`Store.write`), with its tombstone if it is a forget or purge; returns its
+    position. For `replay.rebuild`: a register forget whose target is absent."""
+    position, prev = await store.recorder.last_link(conn)
+    position += 1
+    row = event_row(ev, position, now_iso(), suppressed=False, owner_path=None)
+    seal(row, prev)
+    await store.recorder.insert_events(conn, [row])
+    ts = store.forget_rule.tombstone_of(ev, position)
+    if ts is not None:
+        await store.recorder.insert_tombstones(conn, [store.forget_rule.tombstone_row(ts)])
+    return position
+
+
+def chunks(items: list[Any], n: int) -> Iterable[list[Any]]:
+    """`items` in lists of at most `n`."""
+    for i in range(0, len(items), n):
+        yield items[i:i + n]

@@ -1,0 +1,327 @@
+"""The SQLite recorder (aiosqlite): the embedded default.
+
+WAL, a busy timeout, secure delete, `BEGIN IMMEDIATE` for write transactions (SQLite
+has one write lock per database, so its write transactions are serial and need no
+other lock), and after an erasure a WAL checkpoint that truncates the log, so the
+erased bytes are gone from the files.
+
+Write turns (`Store(..., write_turns=True)`, what the worker daemons use): hand
+SQLite's write lock from one process to the next at once.
+
+SQLite has one write lock per database, and a connection that finds it taken does
+not queue for it: it sleeps and tries again (the busy timeout's backoff: 1, 2, 5, 10,
+... up to 100 ms between tries). Two processes that both write often (one appending,
+one projecting) then keep missing each other's free moments: whoever just committed
+begins its next transaction before the sleeper wakes up, and a waiter can sleep
+through tens of milliseconds of a free lock. Measured on the worker benchmark, such
+waits were the largest part of the lag.
+
+`WriteTurn` puts a queue in front of the lock: a worker takes its *turn* (an exclusive
+`flock` on a file beside the database, waited for in a thread, so the kernel wakes
+the next waiter the moment the holder lets go) before `BEGIN IMMEDIATE`, and gives it
+back after the commit. Inside a process an `asyncio.Lock` queues the process's own
+writers (appends, projection batches, dead letters) first, in arrival order.
+
+The turn is only about latency. Correctness still rests on SQLite's own lock:
+writers that take no turn (an app appending through the SDK, the CLI) wait for it as
+before, and a turn not granted within `TURN_TIMEOUT_S` (a stopped process holding
+it) is given up on, the write going ahead under the busy timeout alone. A turn held
+by a killed process ends with it (the kernel drops its locks). PostgreSQL queues its
+lock waiters itself: only SQLite files take turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any, ClassVar, Final
+
+from sqlalchemy import Table
+from sqlalchemy import event as sa_event
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+from sqlalchemy.sql.dml import Insert
+
+from ledger.errors import StoreUnavailable
+from ledger.recorder import EVENT_COLUMNS, Recorder, WriteLock, short_error
+
+PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
+                  "secure_delete=ON", "foreign_keys=ON")
+#: How long a writer waits for its turn before going ahead without it.
+TURN_TIMEOUT_S: Final = 30.0
+#: The turn file: the database's path plus this.
+TURN_SUFFIX: Final = "-turn"
+_INSERT_EVENTS: Final = (f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                         f"VALUES ({', '.join('?' for _ in EVENT_COLUMNS)})")
+
+
+class SQLiteRecorder(Recorder):
+    """SQLite: one file (or `:memory:`), one writer at a time."""
+
+    name: ClassVar[str] = "sqlite"
+
+    def __init__(self, url: str, *, pool_size: int = 5, write_turns: bool = False) -> None:
+        super().__init__(url, pool_size=pool_size)
+        path = turn_path(url) if write_turns else None
+        self.turn = WriteTurn(path) if path is not None else None
+
+    def create_engine(self, pool_size: int) -> AsyncEngine:
+        engine = create_async_engine(self.url, poolclass=NullPool
+                                     if ":memory:" in self.url else None)
+        _install_hooks(engine)
+        return engine
+
+    async def lock_events(self, conn: AsyncConnection) -> None:
+        return  # BEGIN IMMEDIATE (the `memledger_write` option) took the write lock
+
+    async def begin_snapshot(self, conn: AsyncConnection) -> None:
+        return  # a SQLite read transaction is a snapshot already
+
+    async def keep_transaction_open(self, conn: AsyncConnection) -> None:
+        return  # no server, no idle timeout
+
+    async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
+        return  # write transactions are serial: BEGIN IMMEDIATE holds the one write lock
+
+    def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A write transaction, in turn when write turns are on."""
+        return self._write() if self.turn is None else self._in_turn(self._write())
+
+    def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A view transaction, in turn when write turns are on."""
+        return self._view_write() if self.turn is None else self._in_turn(self._view_write())
+
+    @asynccontextmanager
+    async def _in_turn(self, tx: AbstractAsyncContextManager[AsyncConnection]
+                       ) -> AsyncIterator[AsyncConnection]:
+        assert self.turn is not None
+        async with self.turn.hold(), tx as conn:
+            yield conn
+
+    async def dispose(self) -> None:
+        """Close the connection pool, then the turn file."""
+        await super().dispose()
+        if self.turn is not None:
+            self.turn.close()
+
+    def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """No explicit transaction (a single SELECT is atomic in SQLite), which saves
+        two round trips to the driver thread."""
+        return self._read_once()
+
+    @asynccontextmanager
+    async def _read_once(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(memledger_no_begin=True)
+                yield conn
+        except (OperationalError, OSError) as e:
+            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+
+    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                            ) -> None:
+        # SQLAlchemy's per-row parameter processing cost ~10 us a row here; the driver
+        # takes plain tuples in column order (no type needs converting).
+        await conn.exec_driver_sql(_INSERT_EVENTS, [
+            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
+
+    async def after_import(self, conn: AsyncConnection) -> None:
+        return  # a new integer key is the largest one plus one
+
+    def insert_ignore(self, table: Table) -> Insert:
+        return sqlite_insert(table).on_conflict_do_nothing()
+
+    async def reclaim(self) -> None:
+        """Move the WAL into the main file and truncate it (with secure_delete on, the
+        erased bytes are then gone from the files)."""
+        async with self.engine.connect() as conn:
+            await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            await conn.commit()
+
+    async def erasure_leftovers(self) -> list[dict[str, Any]]:
+        """A WAL that still holds page images, or secure_delete off (file databases)."""
+        if ":memory:" in self.url:
+            return []
+        out: list[dict[str, Any]] = []
+        await self.reclaim()
+        wal = database_files(self.url)[1]
+        if wal.exists() and wal.stat().st_size > 0:
+            out.append({"place": str(wal),
+                        "detail": "the WAL still holds page images (another connection kept "
+                                  "a read snapshot open); run again when it is idle"})
+        async with self.engine.connect() as c:
+            sd = (await c.exec_driver_sql("PRAGMA secure_delete")).scalar()
+        if not sd:
+            out.append({"place": "sqlite", "detail": "PRAGMA secure_delete is off"})
+        return out
+
+
+def database_files(url: str) -> list[Path]:
+    """The database file of a SQLite URL and its WAL."""
+    path = url.split(":///", 1)[1].split("?", 1)[0]
+    return [Path(path + suffix) for suffix in ("", "-wal")]
+
+
+class _Attempt:
+    """One wait for the file lock, shared by the waiting task and the waiting thread."""
+
+    def __init__(self, done: Callable[[BaseException | None], None]) -> None:
+        self.done = done
+        self.mutex = threading.Lock()
+        self.fd: int | None = None     # the descriptor holding the lock, once acquired
+        self.abandoned = False
+
+    def release(self) -> None:
+        """Give the turn back (once)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+class WriteTurn:
+    """A queue for the write lock among worker processes on one SQLite file.
+
+    The waits happen on one daemon thread per `WriteTurn`, which owns the file
+    descriptor: a wait that never ends (a stopped process holding the turn) cannot
+    keep the process from exiting, and the descriptor is never closed under a wait.
+    """
+
+    def __init__(self, path: str, *, timeout: float = TURN_TIMEOUT_S) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._local: asyncio.Lock | None = None
+        self._requests: queue.SimpleQueue[_Attempt | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        #: Turns given up on after `timeout` (the write went ahead without one).
+        self.timeouts = 0
+
+    # -- the waiting thread --------------------------------------------------------------
+    def _serve(self, requests: queue.SimpleQueue[_Attempt | None]) -> None:
+        fd: int | None = None
+        try:
+            while (attempt := requests.get()) is not None:
+                try:
+                    if fd is None:
+                        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except OSError as e:
+                    attempt.done(e)
+                    continue
+                with attempt.mutex:
+                    abandoned = attempt.abandoned
+                    if not abandoned:
+                        attempt.fd = fd
+                if abandoned:  # nobody waits for it any more: give it back
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                else:
+                    attempt.done(None)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _submit(self, attempt: _Attempt) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._requests = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, args=(self._requests,),
+                                            daemon=True, name="memledger-turn")
+            self._thread.start()
+        self._requests.put(attempt)
+
+    # -- the waiting task ----------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[bool]:
+        """Hold the turn for the block; yields whether it was granted (False: timed
+        out or the turn file could not be used, and the block runs without it)."""
+        if self._local is None:
+            self._local = asyncio.Lock()
+        async with self._local:
+            attempt = await self._acquire()
+            try:
+                yield attempt is not None
+            finally:
+                if attempt is not None:
+                    attempt.release()
+
+    async def _acquire(self) -> _Attempt | None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def settle(err: BaseException | None) -> None:
+            if not fut.done():
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(err)
+
+        def done(err: BaseException | None) -> None:  # on the waiting thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(settle, err)
+
+        attempt = _Attempt(done)
+        self._submit(attempt)
+        try:
+            await asyncio.wait_for(fut, self.timeout)
+            return attempt
+        except (TimeoutError, asyncio.CancelledError) as e:  # (before OSError: a subclass)
+            with attempt.mutex:
+                attempt.abandoned = True
+                got = attempt.fd is not None
+            if isinstance(e, asyncio.CancelledError):
+                attempt.release()
+                raise
+            self.timeouts += 1
+            return attempt if got else None  # granted just as the wait timed out: use it
+        except OSError:
+            return None  # no turn file (read-only directory ...): SQLite's lock alone
+
+    def close(self) -> None:
+        """Stop the waiting thread once its waits are over; it closes the turn file.
+        (Call it when no turn is held: the store is closed.)"""
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread = None
+
+
+def turn_path(url: str) -> str | None:
+    """The turn file of a SQLite file database URL; None for PostgreSQL or in-memory."""
+    u = make_url(url)
+    if not u.drivername.startswith("sqlite"):
+        return None
+    db = u.database or ""
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return db + TURN_SUFFIX
+
+
+def _install_hooks(engine: AsyncEngine) -> None:
+    """WAL, a busy timeout, secure delete, and BEGIN IMMEDIATE for write transactions.
+
+    pysqlite's own transaction handling is switched off (SQLAlchemy's documented recipe)
+    so we choose the BEGIN: a deferred transaction that reads and then writes fails with
+    SQLITE_BUSY_SNAPSHOT under WAL instead of waiting, so writers take the lock first.
+    """
+
+    @sa_event.listens_for(engine.sync_engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        for pragma in PRAGMAS:
+            cur.execute(f"PRAGMA {pragma}")
+        cur.close()
+
+    @sa_event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Any) -> None:
+        opts = conn.get_execution_options()
+        if opts.get("memledger_no_begin", False):
+            return  # autocommit: each statement is its own transaction
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if opts.get("memledger_write", False) else "BEGIN")

@@ -1,0 +1,266 @@
+"""The recorder: every statement that writes the `events` table, behind verbs.
+
+`Recorder` is the interface (the `eventsourcing` library's split of `persistence.py`
+from its `sqlite.py` and `postgres.py`): the engine and its transactions, and the
+verbs the ledger, the replay tools and the erasure projection use to change or read
+the ledger's own tables. What is the same on both backends is written here once; what
+differs is in one module per backend, `ledger.backends.sqlite` and
+`ledger.backends.postgres` (`ledger.backends.recorder_for` picks one for a URL).
+
+No other module inserts into, updates or deletes from `events`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql.dml import Insert
+
+from ledger import schema as t
+from ledger.chain import GENESIS
+from ledger.errors import StoreUnavailable
+from ledger.records import StoredEvent, stored_from_row
+
+if TYPE_CHECKING:
+    from ledger.backends.sqlite import WriteTurn
+
+STORED_COLUMNS: Final = (
+    t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
+    t.events.c.actor, t.events.c.source_kind, t.events.c.source_id, t.events.c.source_at,
+    t.events.c.source_seq, t.events.c.source_event_id, t.events.c.order_key,
+    t.events.c.slot, t.events.c.memory_id, t.events.c.ns_path, t.events.c.mkey,
+    t.events.c.layer, t.events.c.task_key, t.events.c.recorded_at, t.events.c.suppressed,
+    t.events.c.redacted, t.events.c.content_digest, t.events.c.payload,
+    t.events.c.supersedes,
+)
+#: The `events` columns in table order (the order `insert_events` rows are written in).
+EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
+
+
+class WriteLock(Enum):
+    """Transaction-scoped locks that serialise one kind of write across processes
+    (PostgreSQL advisory locks; SQLite's write transactions are serial already)."""
+
+    SCHEMA = "schema"              # creating the schema: two processes at once would race
+    DEAD_LETTERS = "dead_letters"  # two daemons recording one redelivered message
+
+
+class Recorder(ABC):
+    """One backend's engine, transactions and ledger statements."""
+
+    #: The backend's name: `sqlite` or `postgresql` (`Store.dialect`, backup headers).
+    name: ClassVar[str]
+
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
+        self.url = url
+        self.engine = self.create_engine(pool_size)
+        #: The write turn taken before each write transaction, if the backend has one
+        #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
+        self.turn: WriteTurn | None = None
+
+    # -- engine and session set-up ----------------------------------------------------------
+    @abstractmethod
+    def create_engine(self, pool_size: int) -> AsyncEngine:
+        """The async engine, with the backend's session settings."""
+
+    @abstractmethod
+    async def lock_events(self, conn: AsyncConnection) -> None:
+        """Take the ledger's write lock inside a write transaction: insert order must
+        equal commit order, or a poller reading `position > checkpoint` could skip a
+        late committer."""
+
+    @abstractmethod
+    async def begin_snapshot(self, conn: AsyncConnection) -> None:
+        """Make a just-begun read transaction one consistent, read-only snapshot."""
+
+    @abstractmethod
+    async def keep_transaction_open(self, conn: AsyncConnection) -> None:
+        """Let a long transaction (backup, restore, verify) outlive the server's
+        idle-in-transaction timeout."""
+
+    @abstractmethod
+    async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
+        """Hold `lock` until the transaction ends."""
+
+    # -- transactions -----------------------------------------------------------------------
+    def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A write transaction that holds the ledger's write lock until it commits."""
+        return self._write()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(memledger_write=True)
+                async with conn.begin():
+                    await self.lock_events(conn)
+                    yield conn
+        except (OperationalError, DBAPIError, OSError) as e:
+            if isinstance(e, DBAPIError) and not is_transient(e):
+                raise
+            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+
+    def read(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A read transaction (one consistent snapshot on both backends)."""
+        return self._read()
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as conn, conn.begin():
+                await self.begin_snapshot(conn)
+                yield conn
+        except (OperationalError, OSError) as e:
+            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+
+    def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for one statement (a read transaction unless the backend makes
+        a single statement atomic by itself)."""
+        return self.read()
+
+    def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A transaction for view updates: SQLite takes its write lock up front."""
+        return self._view_write()
+
+    @asynccontextmanager
+    async def _view_write(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(memledger_write=True)
+                async with conn.begin():
+                    yield conn
+        except (OperationalError, OSError) as e:
+            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+
+    async def dispose(self) -> None:
+        """Close the connection pool."""
+        await self.engine.dispose()
+
+    # -- events -----------------------------------------------------------------------------
+    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                            ) -> None:
+        """Insert sealed event rows (every `events` column, `chain` set)."""
+        await conn.execute(t.events.insert(), list(rows))
+
+    async def select_events(self, conn: AsyncConnection, after: int, limit: int,
+                            upto: int | None = None, types: Sequence[str] | None = None
+                            ) -> list[StoredEvent]:
+        """Events with position > `after` (and <= `upto`, of `types`), in position order."""
+        q = select(*STORED_COLUMNS).where(t.events.c.position > after)
+        if upto is not None:
+            q = q.where(t.events.c.position <= upto)
+        if types is not None:
+            q = q.where(t.events.c.type.in_(types))
+        rows = (await conn.execute(q.order_by(t.events.c.position).limit(limit))).all()
+        return [stored_from_row(r) for r in rows]
+
+    async def max_position(self, conn: AsyncConnection) -> int:
+        """The highest position in the ledger (0 when empty)."""
+        return int((await conn.execute(select(func.max(t.events.c.position)))).scalar() or 0)
+
+    async def last_link(self, conn: AsyncConnection) -> tuple[int, str]:
+        """The last event's position and chain link (`(0, GENESIS)` when empty)."""
+        last = (await conn.execute(
+            select(t.events.c.position, t.events.c.chain)
+            .order_by(t.events.c.position.desc()).limit(1))).first()
+        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
+
+    @staticmethod
+    async def erase_payloads(conn: AsyncConnection, *where: ColumnElement[bool]) -> int:
+        """Null the payload of the events matching `where` that still hold one, and mark
+        them redacted; returns how many rows. (The same statement on both backends.)"""
+        res = await conn.execute(update(t.events).where(*where, t.events.c.payload.is_not(None))
+                                 .values(payload=None, redacted=True))
+        return int(res.rowcount or 0)
+
+    # -- tombstones -------------------------------------------------------------------------
+    async def select_tombstones(self, conn: AsyncConnection,
+                                tenants: Iterable[str] | None = None,
+                                upto: int | None = None) -> Sequence[Any]:
+        """`tombstones` rows, optionally of some tenants and up to a position."""
+        q = select(t.tombstones)
+        if tenants is not None:
+            q = q.where(t.tombstones.c.tenant.in_(sorted(set(tenants))))
+        if upto is not None:
+            q = q.where(t.tombstones.c.position <= upto)
+        return (await conn.execute(q)).all()
+
+    async def insert_tombstones(self, conn: AsyncConnection,
+                                rows: Sequence[dict[str, Any]]) -> None:
+        """Insert `tombstones` rows."""
+        await conn.execute(t.tombstones.insert(), list(rows))
+
+    # -- whole tables (restore, scratch replay) ---------------------------------------------
+    async def import_rows(self, conn: AsyncConnection, table: Table,
+                          rows: Sequence[dict[str, Any]]) -> None:
+        """Insert rows as they are (a restore, or a copy into a scratch database): event
+        rows keep their positions and links."""
+        await conn.execute(table.insert(), list(rows))
+
+    async def delete_rows(self, conn: AsyncConnection, table: Table,
+                          where: ColumnElement[bool] | None = None) -> None:
+        """Delete every row of `table` (or those matching `where`)."""
+        q = delete(table)
+        await conn.execute(q if where is None else q.where(where))
+
+    @abstractmethod
+    async def after_import(self, conn: AsyncConnection) -> None:
+        """Bring what the database generates (sequences) past imported rows."""
+
+    # -- statements that differ in spelling -------------------------------------------------
+    @abstractmethod
+    def insert_ignore(self, table: Table) -> Insert:
+        """INSERT that skips rows whose key is already there."""
+
+    def for_update(self, q: Select[Any]) -> Select[Any]:
+        """Lock the selected rows for the transaction (where rows can be locked)."""
+        return q
+
+    def bytewise(self, column: Any) -> Any:
+        """An ORDER BY term that sorts text bytewise, alike on both backends."""
+        return column
+
+    # -- reclaiming erased content ----------------------------------------------------------
+    @abstractmethod
+    async def reclaim(self) -> None:
+        """After an erasure: drop old copies of erased content where the backend can."""
+
+    async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
+        """Dead row versions still held per content table (where the backend keeps them)."""
+        return {}
+
+    async def erasure_leftovers(self) -> list[dict[str, Any]]:
+        """Places outside the tables that may still hold erased content (after
+        `reclaim`), as `replay verify --forgotten` problems."""
+        return []
+
+
+def pairs_in(a: Any, b: Any, pairs: Iterable[tuple[Any, Any]]) -> Any:
+    """SQL: `(a, b)` is one of `pairs`, written `a = x AND b IN (...)` per distinct `x`.
+
+    SQLite (3.40) never uses an index for a multi-row `(a, b) IN (VALUES ...)`: it scans
+    the whole table, which made appends and projections slow down as the ledger grew.
+    """
+    grouped: dict[Any, list[Any]] = {}
+    for x, y in pairs:
+        grouped.setdefault(x, []).append(y)
+    return or_(*(and_(a == x, b.in_(ys)) for x, ys in grouped.items()))
+
+
+def short_error(e: BaseException) -> str:
+    """The first line of an error, at most 300 characters."""
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return msg[:300]
+
+
+def is_transient(e: DBAPIError) -> bool:
+    """Could the same statement succeed if tried again (a lock, a lost connection)?"""
+    return bool(e.connection_invalidated) or "lock" in str(e).lower() or \
+        "could not serialize" in str(e).lower()

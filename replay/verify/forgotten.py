@@ -1,0 +1,184 @@
+"""`replay verify --forgotten`: no copy of covered content is left.
+
+Tombstone by tombstone: no view, index or ledger payload still holds covered content,
+every register entry is in the ledger, and the backend keeps no old copies (SQLite:
+the WAL no longer holds old pages, secure_delete is on; PostgreSQL: dead row versions
+are counted). It checks structure (covered content is NULL or absent): it cannot keep
+the forgotten text to search for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.store import Store, Tombstone, tombstone_from_row
+from projections.runner import Runner, dead_letter_covered
+from replay.rebuild import register_events
+from replay.rows import by_tenant, covering, row_dict, stream_rows
+from replay.verify.report import MAX_PROBLEMS, Report
+
+
+def _tomb_sql(ts: Tombstone, cols: Any) -> Any:
+    """A broad SQL pre-filter on a view for rows a tombstone may cover (refined in Python)."""
+    if ts.kind == "memory_id":
+        return cols.memory_id == ts.memory_id
+    if ts.kind == "key":
+        return (cols.ns_path == ts.ns_path) & (cols.mkey == ts.mkey)
+    if ts.kind == "prefix":
+        prefix = ts.ns_path or "\x00"
+        return func.substr(cols.ns_path, 1, len(prefix)) == prefix
+    return cols.task_key == ts.task_key
+
+
+async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep: Report
+                              ) -> dict[str, int]:
+    mv, tn, tv, vc = t.mem_versions.c, t.task_notes.c, t.tasks_view.c, t.vectors.c
+    covered_ids: set[tuple[str, str]] = set()
+    purged_tasks: set[tuple[str, str]] = set()
+    owners: dict[tuple[str, str], str] = {
+        (r[0], r[1]): r[2] for r in (await conn.execute(
+            select(t.task_owners.c.tenant, t.task_owners.c.task_key, t.task_owners.c.ns_path))
+        ).all()}
+    checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0}
+    for ts in tombs:
+        q = select(t.mem_versions).where(mv.tenant == ts.tenant, _tomb_sql(ts, mv))
+        for r in (await conn.execute(q)).all():
+            if not ts.covers_write(r.tenant, r.memory_id, r.ns_path, r.mkey, r.task_key,
+                                   bytes(r.order_key)):
+                continue
+            checked["mem_versions"] += 1
+            covered_ids.add((r.tenant, r.memory_id))
+            held = [c for c in ("value", "text", "scope", "session_id")
+                    if getattr(r, c) is not None]
+            if held or r.status != "forgotten":
+                rep.add("forgotten", place="mem_versions", tombstone=ts.position,
+                        tenant=r.tenant, memory_id=r.memory_id, columns=held,
+                        status=r.status)
+        if ts.kind not in ("task", "prefix"):
+            continue
+        q2 = select(tn.position, tn.tenant, tn.task_key, tn.order_key, tn.body.is_not(None)
+                    ).where(tn.tenant == ts.tenant)
+        if ts.kind == "task":
+            q2 = q2.where(tn.task_key == ts.task_key)
+        for r in (await conn.execute(q2)).all():
+            owner = owners.get((r[1], r[2]))
+            if not ts.covers_task(r[1], r[2], owner, bytes(r[3])):
+                continue
+            checked["task_notes"] += 1
+            if r[4]:
+                rep.add("forgotten", place="task_notes", tombstone=ts.position, tenant=r[1],
+                        task_key=r[2], position=int(r[0]))
+        q3 = select(t.tasks_view).where(tv.tenant == ts.tenant)
+        if ts.kind == "task":
+            q3 = q3.where(tv.task_key == ts.task_key)
+        else:
+            prefix = ts.ns_path or "\x00"
+            q3 = q3.where(func.substr(tv.ns_path, 1, len(prefix)) == prefix)
+        for r in (await conn.execute(q3)).all():
+            checked["tasks_view"] += 1
+            purged_tasks.add((r.tenant, r.task_key))
+            if not r.purged:
+                rep.add("forgotten", place="tasks_view", tombstone=ts.position,
+                        tenant=r.tenant, task_key=r.task_key,
+                        detail="task covered by a purge or prefix forget is not purged")
+            if ts.kind == "task":
+                summary = orjson.loads(r.summary)
+                extra = sorted(set(summary) - {"task_key", "status", "purged"})
+                if extra:
+                    rep.add("forgotten", place="tasks_view", tombstone=ts.position,
+                            tenant=r.tenant, task_key=r.task_key, columns=extra,
+                            detail="purged task summary still holds content")
+    for tenant, memory_id in sorted(covered_ids):
+        checked["vectors"] += 1
+        hit = (await conn.execute(select(func.count()).where(
+            vc.tenant == tenant, vc.kind == "memory", vc.item_id == memory_id))).scalar()
+        if hit:
+            rep.add("forgotten", place="vectors", tenant=tenant, memory_id=memory_id)
+    for tenant, task_key in sorted(purged_tasks):
+        hit = (await conn.execute(select(func.count()).where(
+            vc.tenant == tenant, vc.kind == "task", vc.task_key == task_key))).scalar()
+        if hit:
+            rep.add("forgotten", place="vectors", tenant=tenant, task_key=task_key)
+    return checked
+
+
+async def _check_payloads_erased(conn: AsyncConnection, store: Store,
+                                 tombs: list[Tombstone], rep: Report) -> int:
+    grouped = by_tenant(tombs)
+    ev = t.events.c
+    n = 0
+    where = ev.payload.is_not(None) & ev.tenant.in_(sorted(grouped) or [""])
+    async for part in stream_rows(conn, t.events, store.recorder, where=where, batch=2000):
+        for r in part:
+            row = row_dict(r)
+            ts = covering(grouped, row)
+            if ts is not None:
+                n += 1
+                rep.add("forgotten", place="events.payload", tombstone=ts.position,
+                        position=int(row["position"]))
+    return n
+
+
+async def _check_dead_letters_erased(conn: AsyncConnection, tombs: list[Tombstone],
+                                     rep: Report) -> int:
+    """Dead letters that name a covered target must hold no payload."""
+    dl = t.dead_letters.c
+    grouped = by_tenant(tombs)
+    rows = (await conn.execute(select(dl.id, dl.tenant, dl.payload).where(
+        dl.payload.is_not(None), dl.tenant.in_(sorted(grouped) or [""])))).all()
+    for r in rows:
+        try:
+            obj = orjson.loads(r.payload)
+        except orjson.JSONDecodeError:
+            continue
+        for ts in grouped.get(r.tenant, []):
+            if dead_letter_covered(obj, ts):
+                rep.add("forgotten", place="dead_letters.payload", tombstone=ts.position,
+                        dead_letter=int(r.id))
+                break
+    return len(rows)
+
+
+async def verify_forgotten(store: Store, *, catch_up: bool = True,
+                           limit: int = MAX_PROBLEMS) -> dict[str, Any]:
+    """Prove that no copy of covered content is left; see the module docstring."""
+    await store.open()
+    if catch_up:
+        await Runner(store).catch_up()
+    rep = Report(limit)
+    register = register_events(store)
+    notes: list[str] = []
+    async with store.read() as conn:
+        await store.recorder.keep_transaction_open(conn)
+        tombs = sorted((tombstone_from_row(r) for r in
+                        (await conn.execute(select(t.tombstones))).all()),
+                       key=lambda x: x.position)
+        checked = await _check_views_erased(conn, tombs, rep)
+        checked["payloads_still_held"] = await _check_payloads_erased(conn, store, tombs, rep)
+        checked["dead_letters"] = await _check_dead_letters_erased(conn, tombs, rep)
+        ev = t.events.c
+        for e in register:
+            row = (await conn.execute(select(ev.position).where(
+                ev.tenant == e.tenant, ev.idempotency_key == e.idempotency_key))).first()
+            if row is None:
+                rep.add("forgotten", place="register",
+                        tenant=e.tenant, idempotency_key=e.idempotency_key,
+                        detail="forget in the register is missing from the ledger; run "
+                               "`memledger replay rebuild` to reapply it")
+        stats = await store.recorder.dead_row_counts(conn)
+    for leftover in await store.recorder.erasure_leftovers():
+        rep.add("forgotten", **leftover)
+    if stats and any(stats.values()):
+        notes.append("PostgreSQL keeps dead row versions until VACUUM: run `VACUUM events, "
+                     "mem_versions, task_notes, tasks_view, vectors` to reclaim them")
+    out = rep.result(tombstones=len(tombs), register_entries=len(register), checked=checked)
+    if stats:
+        out["pg_dead_tuples"] = stats
+    if notes:
+        out["notes"] = notes
+    return out
