@@ -46,6 +46,14 @@ from ledger.events import (
     parse_rfc3339,
     to_us,
 )
+from ledger.forgets import (
+    Coordinates,
+    Tombstone,
+    covers,
+    tombstone_from_row,
+    tombstone_of,
+    tombstone_row,
+)
 from ledger.logs import configure_default
 from ledger.register import ForgetRegister, default_register_path
 
@@ -178,75 +186,6 @@ def stored_from_row(r: Sequence[Any]) -> StoredEvent:
 
 
 # -- tombstones ---------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Tombstone:
-    """A forget (or task purge) as the read and write paths apply it."""
-
-    position: int
-    tenant: str
-    kind: str  # memory_id | key | prefix | task
-    order_key: bytes
-    memory_id: str | None = None
-    ns_path: str | None = None
-    mkey: str | None = None
-    task_key: str | None = None
-
-    def covers_write(self, tenant: str, memory_id: str, nspath: str, key: str,
-                     task_key: str | None, order: bytes) -> bool:
-        """Does this tombstone cover a memory write with these coordinates?"""
-        if tenant != self.tenant:
-            return False
-        if self.kind == "memory_id":
-            return memory_id == self.memory_id  # whatever its order
-        if order > self.order_key:
-            return False  # said again after the forget: a new memory
-        if self.kind == "key":
-            return nspath == self.ns_path and key == self.mkey
-        if self.kind == "prefix":
-            return nspath.startswith(self.ns_path or "\x00")
-        return task_key is not None and task_key == self.task_key
-
-    def covers_task(self, tenant: str, task_key: str, owner_path: str | None,
-                    order: bytes) -> bool:
-        """Does this tombstone cover a task event with these coordinates?"""
-        if tenant != self.tenant or order > self.order_key:
-            return False
-        if self.kind == "task":
-            return task_key == self.task_key
-        if self.kind == "prefix" and owner_path is not None:
-            return owner_path.startswith(self.ns_path or "\x00")
-        return False
-
-
-def tombstone_of(ev: Event, position: int) -> Tombstone | None:
-    """The tombstone a forget or purge event records, or None for other events."""
-    d = ev.data
-    if ev.type == "memory.forgotten":
-        if "memory_id" in d:
-            return Tombstone(position, ev.tenant, "memory_id", ev.order, memory_id=d["memory_id"])
-        if "namespace_prefix" in d:
-            return Tombstone(position, ev.tenant, "prefix", ev.order,
-                             ns_path=ns_path(d["namespace_prefix"]))
-        return Tombstone(position, ev.tenant, "key", ev.order, ns_path=ns_path(d["namespace"]),
-                         mkey=d["key"])
-    if ev.type == "task.purged":
-        return Tombstone(position, ev.tenant, "task", ev.order, task_key=d["task_key"])
-    return None
-
-
-def tombstone_from_row(r: Any) -> Tombstone:
-    """Build a `Tombstone` from a `tombstones` row."""
-    return Tombstone(r.position, r.tenant, r.kind, bytes(r.order_key), r.memory_id, r.ns_path,
-                     r.mkey, r.task_key)
-
-
-def tombstone_row(ts: Tombstone) -> dict[str, Any]:
-    """The `tombstones` row of a tombstone."""
-    return {"position": ts.position, "tenant": ts.tenant, "kind": ts.kind,
-            "memory_id": ts.memory_id, "ns_path": ts.ns_path, "mkey": ts.mkey,
-            "task_key": ts.task_key, "order_key": ts.order_key}
-
 
 def register_entry(ev: Event, position: int) -> dict[str, Any]:
     """What the forget register keeps of a forget or purge: the event without reason."""
@@ -740,13 +679,13 @@ class _Appender:
         order = ev.order
         d = ev.data
         if ev.is_write:
-            nsp = ns_path(d["namespace"])
-            return any(ts.covers_write(ev.tenant, d["memory_id"], nsp, d["key"],
-                                       d.get("task_key"), order) for ts in tombs)
-        if ev.type in TASK_TYPES and ev.type != "task.purged":
-            return any(ts.covers_task(ev.tenant, str(ev.task_key), owner_path, order)
-                       for ts in tombs)
-        return False
+            v = Coordinates(ev.tenant, order, d["memory_id"], ns_path(d["namespace"]),
+                            d["key"], d.get("task_key"))
+        elif ev.type in TASK_TYPES and ev.type != "task.purged":
+            v = Coordinates(ev.tenant, order, ns_path=owner_path, task_key=str(ev.task_key))
+        else:
+            return False
+        return any(covers(ts, v) for ts in tombs)
 
     def _row(self, ev: Event, position: int, dig: str, recorded: str, suppressed: bool,
              owner_path: str | None) -> dict[str, Any]:
