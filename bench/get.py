@@ -40,11 +40,12 @@ from bench.common import (
     sqlite_url,
     workdir,
 )
-from memledger import MemoryLedger
 from ledger.events import Event
 from ledger.store import Store
+from memledger import MemoryLedger
 from projections import reads
-from projections.runner import MemoryProjection, Runner
+from projections.runner import Runner
+from projections.views import MemoryProjection
 
 TENANT = "shop-a"
 USERS = 1000

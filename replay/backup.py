@@ -42,8 +42,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.errors import BackupError
 from ledger.events import digest
-from ledger.store import GENESIS, Store, chain_link, now_iso, tombstone_from_row
-from projections.runner import default_projections
+from ledger.forgets import tombstone_from_row
+from ledger.store import GENESIS, Store, chain_link, now_iso
+from projections.registry import default_projections
 from replay.progress import Progress
 from replay.rebuild import rebuild, register_events
 from replay.rows import binary_columns, by_tenant, covering, row_dict, stream_rows

@@ -29,25 +29,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.errors import IdempotencyConflict, RegisterError, ValidationError
 from ledger.events import Event, ns_path
-from ledger.store import (
-    GENESIS,
-    Store,
-    chain_link,
-    now_iso,
-    tombstone_from_row,
-    tombstone_of,
-    tombstone_row,
-)
+from ledger.forgets import tombstone_from_row, tombstone_of, tombstone_row
+from ledger.store import GENESIS, Store, chain_link, now_iso
 from ledger.validation import parse_event
 from projections.bulk import restore_shape
-from projections.runner import (
-    REBUILD_MARKER,
-    BulkLoadable,
-    Projection,
-    Runner,
-    erase_payloads,
-    write_bulk_state,
-)
+from projections.erasure import erase_payloads
+from projections.protocol import BulkLoadable, Projection
+from projections.runner import REBUILD_MARKER, Runner, write_bulk_state
 from replay.progress import Progress
 
 log = structlog.get_logger("memledger.replay")

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from sqlalchemy import update
 
 from ledger import schema as t
-from memledger import MemoryLedger
 from ledger.events import Event
 from ledger.store import Store
 from ledger.validation import parse_event
+from memledger import MemoryLedger
 from projections.runner import Runner
 from tests.factories import event, src, write
 from tests.helpers import dump_views, fresh_replay

@@ -27,7 +27,7 @@ from ledger.errors import ValidationError
 from ledger.events import Event, encode_json
 from ledger.store import Store, now_iso
 from ledger.validation import parse_event
-from projections.runner import dead_letter_covered
+from projections.erasure import dead_letter_covered
 from workers.policy import (
     MAX_DEFERRALS,
     Disposition,
