@@ -64,8 +64,8 @@ def task_tokens(task: dict[str, Any]) -> int:
 
 
 def fit(tasks: list[dict[str, Any]], ranked: list[tuple[Any, float, str]],
-         budget: int | None, limit: int
-         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        budget: int | None, limit: int
+        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """Take tasks, then items in priority order, while they fit the budget and limit."""
     used = 0
     picked_tasks: list[dict[str, Any]] = []

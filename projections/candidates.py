@@ -77,7 +77,7 @@ def _key_matches(idx: PrincipalIndex, query: str, groups: Sequence[Group]
 
 
 async def lagging_writes(conn: AsyncConnection, who: reads.Principal, idx: PrincipalIndex,
-                          head: int) -> list[str]:
+                         head: int) -> list[str]:
     """Memory ids of the principal's writes the index has not settled (newest first)."""
     after = idx.position if idx.pending is None else min(idx.position, idx.pending)
     if after >= head:
@@ -108,10 +108,10 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
 
 
 async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
-                            idx: PrincipalIndex, qtext: str | None,
-                            qvec: NDArray[np.float32] | None, lag: list[str], emb: Embedder,
-                            *, task: str | None, session: str | None, limit: int,
-                            now_us: int) -> tuple[list[Any], dict[str, Candidate]]:
+                           idx: PrincipalIndex, qtext: str | None,
+                           qvec: NDArray[np.float32] | None, lag: list[str], emb: Embedder,
+                           *, task: str | None, session: str | None, limit: int,
+                           now_us: int) -> tuple[list[Any], dict[str, Candidate]]:
     """Candidates re-checked against the active view: (rows, relevance by memory id)."""
     cands: dict[str, Candidate] = {}
     basis = "semantic match" if qvec is not None else "in scope"
@@ -148,7 +148,7 @@ async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
             mid = idx.ids[int(i)]
             if mid not in cands:
                 cands[mid] = Candidate(float(scores[int(i)]) if scores is not None else 1.0,
-                                        basis)
+                                       basis)
             want.append(mid)
         todo = [m for m in dict.fromkeys(want) if m not in checked]
         for s in range(0, len(todo), 500):

@@ -96,7 +96,7 @@ async def read_positions(conn: AsyncConnection) -> Positions:
         select(meta.value).where(meta.name == PENDING_META).scalar_subquery(),
         select(func.max(t.events.c.position)).scalar_subquery()))).one()
     return Positions(int(row[0] or 0), float(row[1] or 0.0),
-                      int(row[2]) if row[2] is not None else None, int(row[3] or 0))
+                     int(row[2]) if row[2] is not None else None, int(row[3] or 0))
 
 
 async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
@@ -227,7 +227,7 @@ async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
         orders=[bytes(r.order_key) if r.order_key is not None else b"" for r in longs],
         row_of={m: i for i, m in enumerate(ids)}, key_rows=key_rows,
         groups={k: Group([r.item_id for r in g], [r.mkey or "" for r in g],
-                          columns_from_blobs([bytes(r.vector) for r in g], emb.dim))
+                         columns_from_blobs([bytes(r.vector) for r in g], emb.dim))
                 for k, g in grouped.items()},
         task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
         task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),

@@ -103,7 +103,7 @@ class PrincipalIndex:
                     del self.groups[key]
                     continue
                 self.groups[key] = Group([g.ids[i] for i in keep], [g.keys[i] for i in keep],
-                                          np.ascontiguousarray(g.columns[:, keep]))
+                                         np.ascontiguousarray(g.columns[:, keep]))
 
     def add(self, r: Any, vec: NDArray[np.float32]) -> None:
         """Add one entry (a row of `_ROW_COLUMNS`)."""

@@ -43,7 +43,7 @@ def _tier(r: Any) -> int:
 
 
 def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
-          ) -> list[tuple[Any, float, str]]:
+         ) -> list[tuple[Any, float, str]]:
     """Overrides, then priority and rank order: [(row, relevance, reason)]."""
     by_key: dict[tuple[str, str], list[Any]] = {}
     for r in rows:
@@ -93,8 +93,8 @@ _REF_EDGE = r"(?<![0-9a-z]){}(?![0-9a-z])"
 
 
 def relevant_tasks(open_tasks: list[dict[str, Any]], idx: PrincipalIndex, emb: Embedder,
-                    qtext: str | None, qvec: NDArray[np.float32] | None, task: str | None
-                    ) -> list[dict[str, Any]]:
+                   qtext: str | None, qvec: NDArray[np.float32] | None, task: str | None
+                   ) -> list[dict[str, Any]]:
     """The open tasks the turn is about (R4): the current one, or the query's matches."""
     if task is not None:
         return [{**x, "score": 1.0, "reason": "current task", "ambiguous": False}

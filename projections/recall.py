@@ -56,8 +56,8 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)
         rows, cands = await valid_candidates(conn, who, idx, qtext, qvec, lag, emb,
-                                              task=task, session=session, limit=limit,
-                                              now_us=now_us)
+                                             task=task, session=session, limit=limit,
+                                             now_us=now_us)
         # An index that is caught up lists every open task: none there, none to read.
         settled = idx.pending is None and idx.position >= at.head and not idx.other_models
         open_tasks = await reads.tasks(conn, who) if idx.task_ids or not settled else []
