@@ -44,7 +44,8 @@ from ledger.events import Event
 from ledger.store import Store
 from memledger import MemoryLedger
 from projections import reads
-from projections.runner import MemoryProjection, Runner
+from projections.runner import Runner
+from projections.views import MemoryProjection
 
 TENANT = "shop-a"
 USERS = 1000

@@ -48,7 +48,10 @@ from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES, encode_json, parse_rfc3339, to_us
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections.runner import MemoryProjection, Projection, Runner, default_projections
+from projections.protocol import Projection
+from projections.registry import default_projections
+from projections.runner import Runner
+from projections.views import MemoryProjection
 
 BATCH = 1000
 

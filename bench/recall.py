@@ -47,7 +47,8 @@ from ledger.events import Event, Source, derive_memory_id, ns_path
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.embedding import Embedder
-from projections.recall import CACHE, recall
+from projections.index_cache import CACHE
+from projections.recall import recall
 from projections.runner import Runner
 from projections.vectors import current_embedder
 

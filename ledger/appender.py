@@ -11,9 +11,9 @@ group's state as it was (`_Undo`), so the other requests still commit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 from sqlalchemy import func, select
@@ -36,25 +36,24 @@ from ledger.events import (
     derive_memory_id,
     ns_path,
 )
+from ledger.forgets import (
+    Coordinates,
+    Tombstone,
+    covers,
+    register_entry,
+    tombstone_of,
+    tombstone_row,
+)
 from ledger.recorder import pairs_in
 from ledger.records import AppendResult, now_iso
 
 if TYPE_CHECKING:
-    from ledger.store import Store, Tombstone
+    from ledger.store import Store
 
 log = structlog.get_logger("memledger.ledger")
 
 #: Requests taken into one group-commit transaction, counted in events.
 GROUP_MAX_EVENTS: Final = 4000
-
-
-class ForgetRule(NamedTuple):
-    """What a forget or purge records, as the appender applies it (`ledger.store`
-    holds the rule and hands it over as `Store.forget_rule`)."""
-
-    tombstone_of: Callable[[Event, int], Tombstone | None]
-    tombstone_row: Callable[[Tombstone], dict[str, Any]]
-    register_entry: Callable[[Event, int], dict[str, Any]]
 
 
 _MISSING: Final = object()
@@ -120,7 +119,6 @@ class Appender:
     def __init__(self, store: Store, conn: AsyncConnection) -> None:
         self.store = store
         self.recorder = store.recorder
-        self.rule = store.forget_rule
         self.conn = conn
         self.idem: dict[tuple[str, str], tuple[str, int, bool]] = {}
         self.mem_owner: dict[tuple[str, str], str] = {}   # (tenant, memory_id) -> ns_path
@@ -250,12 +248,12 @@ class Appender:
         target = slot if slot is not None else (ev.task_key if ev.type in TASK_TYPES else None)
         if target is not None and target in self.counts:
             undo.set(self.counts, target, self.counts[target] + 1)
-        ts = None if suppressed else self.rule.tombstone_of(ev, position)
+        ts = None if suppressed else tombstone_of(ev, position)
         if ts is not None:
-            self.tomb_rows.append(self.rule.tombstone_row(ts))
+            self.tomb_rows.append(tombstone_row(ts))
             lst = self.tombs.setdefault(ev.tenant, [])
             undo.set(self.tombs, ev.tenant, [*lst, ts])
-            self.register.append(self.rule.register_entry(ev, position))
+            self.register.append(register_entry(ev, position))
         log.debug("event_appended", tenant=ev.tenant, position=position, type=ev.type,
                   suppressed=suppressed)
         return AppendResult("appended", position, suppressed), position, chain
@@ -297,13 +295,13 @@ class Appender:
         order = ev.order
         d = ev.data
         if ev.is_write:
-            nsp = ns_path(d["namespace"])
-            return any(ts.covers_write(ev.tenant, d["memory_id"], nsp, d["key"],
-                                       d.get("task_key"), order) for ts in tombs)
-        if ev.type in TASK_TYPES and ev.type != "task.purged":
-            return any(ts.covers_task(ev.tenant, str(ev.task_key), owner_path, order)
-                       for ts in tombs)
-        return False
+            v = Coordinates(ev.tenant, order, d["memory_id"], ns_path(d["namespace"]),
+                            d["key"], d.get("task_key"))
+        elif ev.type in TASK_TYPES and ev.type != "task.purged":
+            v = Coordinates(ev.tenant, order, ns_path=owner_path, task_key=str(ev.task_key))
+        else:
+            return False
+        return any(covers(ts, v) for ts in tombs)
 
 
 def seal(row: dict[str, Any], prev: str) -> str:
@@ -321,9 +319,9 @@ async def record_unchecked(store: Store, conn: AsyncConnection, ev: Event) -> in
     row = event_row(ev, position, now_iso(), suppressed=False, owner_path=None)
     seal(row, prev)
     await store.recorder.insert_events(conn, [row])
-    ts = store.forget_rule.tombstone_of(ev, position)
+    ts = tombstone_of(ev, position)
     if ts is not None:
-        await store.recorder.insert_tombstones(conn, [store.forget_rule.tombstone_row(ts)])
+        await store.recorder.insert_tombstones(conn, [tombstone_row(ts)])
     return position
 
 

@@ -14,7 +14,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
@@ -23,10 +22,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.appender import GROUP_MAX_EVENTS, Appender, ForgetRule, Request
+from ledger.appender import GROUP_MAX_EVENTS, Appender, Request
 from ledger.backends import recorder_for
 from ledger.errors import MemledgerError, StoreUnavailable
-from ledger.events import Event, ns_path
+from ledger.events import Event
+from ledger.forgets import Tombstone, tombstone_from_row
 from ledger.logs import configure_default
 from ledger.recorder import WriteLock, short_error
 from ledger.records import AppendResult, StoredEvent
@@ -38,92 +38,8 @@ log = structlog.get_logger("memledger.ledger")
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
 
 
-# -- tombstones ---------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Tombstone:
-    """A forget (or task purge) as the read and write paths apply it."""
-
-    position: int
-    tenant: str
-    kind: str  # memory_id | key | prefix | task
-    order_key: bytes
-    memory_id: str | None = None
-    ns_path: str | None = None
-    mkey: str | None = None
-    task_key: str | None = None
-
-    def covers_write(self, tenant: str, memory_id: str, nspath: str, key: str,
-                     task_key: str | None, order: bytes) -> bool:
-        """Does this tombstone cover a memory write with these coordinates?"""
-        if tenant != self.tenant:
-            return False
-        if self.kind == "memory_id":
-            return memory_id == self.memory_id  # whatever its order
-        if order > self.order_key:
-            return False  # said again after the forget: a new memory
-        if self.kind == "key":
-            return nspath == self.ns_path and key == self.mkey
-        if self.kind == "prefix":
-            return nspath.startswith(self.ns_path or "\x00")
-        return task_key is not None and task_key == self.task_key
-
-    def covers_task(self, tenant: str, task_key: str, owner_path: str | None,
-                    order: bytes) -> bool:
-        """Does this tombstone cover a task event with these coordinates?"""
-        if tenant != self.tenant or order > self.order_key:
-            return False
-        if self.kind == "task":
-            return task_key == self.task_key
-        if self.kind == "prefix" and owner_path is not None:
-            return owner_path.startswith(self.ns_path or "\x00")
-        return False
-
-
-def tombstone_of(ev: Event, position: int) -> Tombstone | None:
-    """The tombstone a forget or purge event records, or None for other events."""
-    d = ev.data
-    if ev.type == "memory.forgotten":
-        if "memory_id" in d:
-            return Tombstone(position, ev.tenant, "memory_id", ev.order, memory_id=d["memory_id"])
-        if "namespace_prefix" in d:
-            return Tombstone(position, ev.tenant, "prefix", ev.order,
-                             ns_path=ns_path(d["namespace_prefix"]))
-        return Tombstone(position, ev.tenant, "key", ev.order, ns_path=ns_path(d["namespace"]),
-                         mkey=d["key"])
-    if ev.type == "task.purged":
-        return Tombstone(position, ev.tenant, "task", ev.order, task_key=d["task_key"])
-    return None
-
-
-def tombstone_from_row(r: Any) -> Tombstone:
-    """Build a `Tombstone` from a `tombstones` row."""
-    return Tombstone(r.position, r.tenant, r.kind, bytes(r.order_key), r.memory_id, r.ns_path,
-                     r.mkey, r.task_key)
-
-
-def tombstone_row(ts: Tombstone) -> dict[str, Any]:
-    """The `tombstones` row of a tombstone."""
-    return {"position": ts.position, "tenant": ts.tenant, "kind": ts.kind,
-            "memory_id": ts.memory_id, "ns_path": ts.ns_path, "mkey": ts.mkey,
-            "task_key": ts.task_key, "order_key": ts.order_key}
-
-
-def register_entry(ev: Event, position: int) -> dict[str, Any]:
-    """What the forget register keeps of a forget or purge: the event without reason."""
-    wire = ev.to_wire()
-    wire["data"] = {k: v for k, v in wire["data"].items() if k != "reason"}
-    return {"position": position, "event": wire}
-
-
-#: The forget rule as the appender applies it.
-FORGET_RULE: Final = ForgetRule(tombstone_of, tombstone_row, register_entry)
-
-
 class Store:
     """The ledger database: append events, read them back, manage the schema."""
-
-    forget_rule: Final = FORGET_RULE
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
                  pool_size: int = 5, write_turns: bool = False) -> None:

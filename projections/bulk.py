@@ -8,7 +8,7 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
 - memories: `marks` (every supersession and confirmation up to `H` into `mem_marks`, by
   position ranges), then `slots` (every write up to `H`, a range of slots per step in
   slot order, each slot resolved once from all of its writes with
-  `projections.runner.resolve_slots`, the function the live projection uses). On
+  `projections.slots.resolve_slots`, the function the live projection uses). On
   SQLite, `plain` comes between them: by position ranges (the ledger read in its own
   order, so sequentially), one `INSERT ... SELECT` writes every *plain* slot (one
   write, unmarked, content present, no expiry: most slots of a ledger) as the row
@@ -19,7 +19,7 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
   tombstone reaches, which SQL did not look at (normally none: reapplying the register
   erases what forgets cover before a rebuild starts);
 - tasks: `notes` (task events into `task_notes`), then `tasks` (a range of task keys
-  per step, summarised by `projections.runner.summarize_tasks`);
+  per step, summarised by `projections.task_rows.summarize_tasks`);
 - vectors (`projections.vectors`): active memories, then open tasks, read from the
   views once they have reached the head, embedded in large batches.
 
@@ -53,16 +53,16 @@ from sqlalchemy import (
     exists,
     or_,
     select,
-    tuple_,
 )
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, TASK_TYPES, encode_json
+from ledger.forgets import tombstone_from_row
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import stored_from_row
-from ledger.store import Store, tombstone_from_row
+from ledger.store import Store
 from projections.memory import (
     WRITE_COLUMNS,
     WriteFact,
@@ -70,56 +70,13 @@ from projections.memory import (
     resolve_slot,
     write_fact_of_row,
 )
-from projections.runner import (
-    chunks,
-    covering,
-    insert_rows,
-    mark_row,
-    note_row,
-    resolve_slots,
-    summarize_tasks,
-)
+from projections.protocol import State, finished, progressed
+from projections.slots import mark_row, reaches, resolve_slots
+from projections.sql import bulk_sql_possible, chunks, fetch, insert_rows, page_after
+from projections.task_rows import note_row, summarize_tasks
 
 #: Positions scanned per step of a phase that reads a few event types out of all.
 SCAN_SPAN: Final = 50_000
-
-State = dict[str, Any]
-
-
-def finished(state: State) -> tuple[None, int]:
-    """The result of a bulk load's last step: the positions not yet reported."""
-    return None, max(1, int(state["head"]) - int(state.get("reported", 0)))
-
-
-def progressed(state: State, n: int) -> tuple[State, int]:
-    """A step's result: the state to keep, and `n` positions of progress (at least 1)."""
-    n = max(1, n)
-    state["reported"] = int(state.get("reported", 0)) + n
-    return state, n
-
-
-async def page_after(conn: AsyncConnection, q: Any, key: Sequence[Any],
-                     after: Sequence[Any] | None, size: int) -> Sequence[Any]:
-    """The next `size` rows of `q` in `key` order after the key values `after` (None:
-    from the start): keyset paging, so each step reads only its own rows."""
-    if after is not None:
-        q = q.where(tuple_(*key) > tuple_(*after))
-    return (await conn.execute(q.order_by(*key).limit(size))).all()
-
-
-async def fetch(store: Store, conn: AsyncConnection, stmt: Any) -> Sequence[Sequence[Any]]:
-    """The rows of a query as the driver returns them.
-
-    On SQLite this skips SQLAlchemy's result processing (a few microseconds a row, as
-    much as the read itself); the statement is rendered with its values inline, which
-    SQLAlchemy quotes and escapes. Columns come back as the driver's types (0/1 for
-    booleans on SQLite).
-    """
-    if store.dialect != "sqlite":
-        return (await conn.execute(stmt)).all()
-    sql = str(stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
-    return (await conn.exec_driver_sql(sql)).all()
-
 
 # -- memories -----------------------------------------------------------------------------
 
@@ -206,7 +163,7 @@ async def _resolve(store: Store, conn: AsyncConnection, q: Any, head: int
 
 async def _start_writes(store: Store, conn: AsyncConnection, state: State) -> None:
     """After the marks: choose the SQL path or not, and prepare the view for loading."""
-    if store.dialect != "sqlite":
+    if not bulk_sql_possible(store):
         state.update(phase="slots", after="")
         return
     # Loading into a table without its secondary indexes, then building them once
@@ -372,7 +329,7 @@ async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
     budget = size
     for row in tombs:
         ts = tombstone_from_row(row)
-        q = select(mv.slot).where(covering(ts), mv.status != "forgotten",
+        q = select(mv.slot).where(reaches(ts), mv.status != "forgotten",
                                   mv.slot > str(state["slot"])).distinct()
         slots = [r[0] for r in (await conn.execute(q.order_by(mv.slot).limit(budget))).all()]
         found.update(slots)

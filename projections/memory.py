@@ -8,7 +8,7 @@ Expiry is decided at read time, because "now" is not a fact of the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,8 @@ from ledger.events import (
     source_wire,
     to_us,
 )
+from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.records import StoredEvent
-from ledger.store import Tombstone
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +145,12 @@ def marks_of(se: StoredEvent) -> list[Mark]:
     return []
 
 
-def is_covered(w: WriteFact, tombstones: Iterable[Tombstone]) -> bool:
+def is_covered(w: WriteFact, tombstones: Sequence[Tombstone]) -> bool:
     """Is the write covered by any of the tombstones (R20, R22)?"""
-    return any(ts.covers_write(w.tenant, w.memory_id, w.ns_path, w.key, w.task_key, w.order)
-               for ts in tombstones)
+    if not tombstones:
+        return False
+    v = Coordinates(w.tenant, w.order, w.memory_id, w.ns_path, w.key, w.task_key)
+    return any(covers(ts, v) for ts in tombstones)
 
 
 def resolve_slot(writes: Sequence[WriteFact], marks: Sequence[Mark],

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import and_, bindparam, exists, func, or_, select
+from sqlalchemy import and_, bindparam, exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.errors import ValidationError
 from ledger.events import NS_SEP, ns_path
+from ledger.forgets import covers_sql
+from projections.sql import prefix_match
 
 LAYER_RANK = {"session": 0, "task": 1, "long": 2}
 
@@ -49,23 +51,9 @@ class Principal:
         return len(namespace) >= 2 and namespace[0] == self.tenant and namespace[1] == self.user
 
 
-def prefix_match(col: Any, prefix: str) -> Any:
-    """SQL: `col` starts with `prefix` (no LIKE, so no escaping and no collation)."""
-    return func.substr(col, 1, len(prefix)) == prefix
-
-
 def not_forgotten() -> Any:
     """SQL: the `mem_versions` row is covered by no tombstone of the ledger."""
-    mv, ts = t.mem_versions.c, t.tombstones.c
-    return ~exists().where(ts.tenant == mv.tenant, or_(
-        and_(ts.kind == "memory_id", ts.memory_id == mv.memory_id),
-        and_(ts.kind == "key", ts.ns_path == mv.ns_path, ts.mkey == mv.mkey,
-             ts.order_key >= mv.order_key),
-        and_(ts.kind == "prefix", func.substr(mv.ns_path, 1, func.length(ts.ns_path))
-             == ts.ns_path, ts.order_key >= mv.order_key),
-        and_(ts.kind == "task", mv.layer == "task", ts.task_key == mv.task_key,
-             ts.order_key >= mv.order_key),
-    ))
+    return ~exists().where(covers_sql(t.tombstones.c, t.mem_versions.c))
 
 
 def not_expired(now_us: int) -> Any:
@@ -150,12 +138,9 @@ async def active_memories(conn: AsyncConnection, who: Principal, *, now_us: int,
 
 
 def task_not_forgotten() -> Any:
-    """SQL: the `tasks_view` row is covered by no task purge or prefix forget."""
-    tv, ts = t.tasks_view.c, t.tombstones.c
-    return ~exists().where(ts.tenant == tv.tenant, or_(
-        and_(ts.kind == "task", ts.task_key == tv.task_key),
-        and_(ts.kind == "prefix",
-             func.substr(tv.ns_path, 1, func.length(ts.ns_path)) == ts.ns_path)))
+    """SQL: the `tasks_view` row is covered by no task purge or prefix forget (the task
+    as a whole: the view keeps no order)."""
+    return ~exists().where(covers_sql(t.tombstones.c, t.tasks_view.c))
 
 
 async def tasks(conn: AsyncConnection, who: Principal, *, include_closed: bool = False

@@ -12,8 +12,9 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 
 from ledger import schema as t
-from ledger.events import Event, Source, to_us
+from ledger.events import Event, to_us
 from ledger.store import Store
+from ledger.validation import parse_event
 
 RETENTION_SOURCE = "memledger-retention"
 
@@ -21,9 +22,12 @@ RETENTION_SOURCE = "memledger-retention"
 def purge_event(tenant: str, task_key: str, now: datetime) -> Event:
     """The `task.purged` event the sweep appends for one task."""
     at = now.astimezone(UTC).isoformat(timespec="microseconds")
-    return Event("task.purged", f"purge:{task_key}", tenant, RETENTION_SOURCE,
-                 Source("system_of_record", RETENTION_SOURCE, at, None, None, to_us(now)),
-                 {"task_key": task_key, "reason": "retention period ended"})
+    # Through validation, as every other event: the sweep gets no way around its rules.
+    return parse_event({
+        "type": "task.purged", "idempotency_key": f"purge:{task_key}", "tenant": tenant,
+        "actor": RETENTION_SOURCE,
+        "source": {"kind": "system_of_record", "id": RETENTION_SOURCE, "at": at},
+        "data": {"task_key": task_key, "reason": "retention period ended"}})
 
 
 async def sweep_retention(store: Store, now: datetime | None = None) -> list[tuple[str, str]]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledger.events import encode_json, parse_rfc3339, to_us
+from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.records import StoredEvent
-from ledger.store import Tombstone
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +47,13 @@ def summarize(tenant: str, task_key: str, owner_path: str | None, notes: Sequenc
               tombstones: Sequence[Tombstone]) -> dict[str, Any]:
     """The summary row of one task, from all of its notes in source order."""
     ordered = sorted(notes, key=lambda n: n.order)
-    purged = any(ts.kind == "task" and ts.task_key == task_key and ts.tenant == tenant
-                 for ts in tombstones) or any(n.type == "task.purged" for n in ordered)
+    # The task as a whole, by its key alone: only a purge of it covers that.
+    whole = Coordinates(tenant, task_key=task_key)
+    purged = any(covers(ts, whole) for ts in tombstones) or any(
+        n.type == "task.purged" for n in ordered)
     live = [n for n in ordered if n.body is not None and not any(
-        ts.covers_task(tenant, task_key, owner_path, n.order) for ts in tombstones)]
+        covers(ts, Coordinates(tenant, n.order, ns_path=owner_path, task_key=task_key))
+        for ts in tombstones)]
     closed = [n for n in live if n.type == "task.closed"]
     opened = [n for n in live if n.type == "task.opened"]
     status = "closed" if closed or purged else "open"

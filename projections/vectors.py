@@ -34,12 +34,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
+from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
-from ledger.store import Store, Tombstone
-from projections.bulk import finished, page_after, progressed
+from ledger.store import Store
 from projections.embedding import Embedder, get_embedder
-from projections.reads import not_forgotten, prefix_match, task_not_forgotten
-from projections.runner import covered_slots, insert_rows
+from projections.protocol import finished, progressed
+from projections.reads import not_forgotten, task_not_forgotten
+from projections.slots import covered_slots
+from projections.sql import chunks, insert_rows, page_after
 
 EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
 #: `meta` row: events after this position may have been indexed from views that lagged.
@@ -130,11 +132,6 @@ def task_text(task_key: str, summary: dict[str, Any]) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def _chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
-
-
 def _by_tenant(pairs: Iterable[tuple[str, str]], n: int = 400
                ) -> Iterable[tuple[str, Sequence[str]]]:
     """(tenant, ids) chunks: `tenant = ? AND id IN (...)` uses the primary key on both
@@ -143,7 +140,7 @@ def _by_tenant(pairs: Iterable[tuple[str, str]], n: int = 400
     for tenant, item in sorted(set(pairs)):
         grouped.setdefault(tenant, []).append(item)
     for tenant, items in grouped.items():
-        for chunk in _chunks(items, n):
+        for chunk in chunks(items, n):
             yield tenant, chunk
 
 
@@ -203,7 +200,7 @@ async def slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: 
         q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
         out.update(r[0] for r in (await conn.execute(q)).all())
     hop: set[tuple[str, str]] = set()
-    for chunk in _chunks(sorted(out)):
+    for chunk in chunks(sorted(out)):
         q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
         for r in (await conn.execute(q)).all():
             hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
@@ -218,7 +215,7 @@ async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
     """(tenant, memory_id) of every version in those slots."""
     mv = t.mem_versions.c
     out: set[tuple[str, str]] = set()
-    for chunk in _chunks(sorted(set(slots))):
+    for chunk in chunks(sorted(set(slots))):
         q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
         out.update((r[0], r[1]) for r in (await conn.execute(q)).all())
     return out
@@ -229,6 +226,8 @@ class VectorProjection:
 
     name = "vectors"
     tables = (t.vectors,)
+    types: tuple[str, ...] | None = None  # every event: any may touch an indexed item
+    depends_on: tuple[str, ...] = SOURCE_VIEWS
 
     def __init__(self, embedder: Embedder | None = None) -> None:
         self._fixed = embedder
@@ -312,7 +311,7 @@ class VectorProjection:
             return
         every: list[tuple[str, str]] = []
         wanted: list[Any] = []
-        for chunk in _chunks(sorted(slots)):
+        for chunk in chunks(sorted(slots)):
             q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
             every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
             q2 = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
@@ -332,12 +331,9 @@ class VectorProjection:
                           tombs: Sequence[Tombstone]) -> None:
         tv, vc = t.tasks_view.c, t.vectors.c
         for ts in tombs:
-            if ts.kind == "prefix":
-                q = select(tv.tenant, tv.task_key).where(
-                    tv.tenant == ts.tenant, prefix_match(tv.ns_path, ts.ns_path or ""))
-                tasks.update((r[0], r[1]) for r in (await conn.execute(q)).all())
-            elif ts.kind == "task" and ts.task_key:
-                tasks.add((ts.tenant, ts.task_key))
+            # The tasks a forget reaches as a whole (a purge's own task is touched anyway).
+            q = select(tv.tenant, tv.task_key).where(covers_sql(ts, tv, order_key=None))
+            tasks.update((r[0], r[1]) for r in (await conn.execute(q)).all())
         if not tasks:
             return
         wanted: list[Any] = []
@@ -378,22 +374,15 @@ def task_entries(emb: Embedder, rows: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def _covered_entries(ts: Tombstone) -> Any:
-    """SQL over `vectors`: entries a tombstone certainly covers (without the slot)."""
-    vc = t.vectors.c
-    if ts.kind == "memory_id":
-        return and_(vc.kind == "memory", vc.item_id == ts.memory_id)
-    if ts.kind == "prefix":
-        return prefix_match(vc.ns_path, ts.ns_path or "\x00")
-    if ts.kind == "task":
-        return or_(and_(vc.kind == "memory", vc.layer == "task", vc.task_key == ts.task_key),
-                   and_(vc.kind == "task", vc.item_id == TASK_PREFIX + (ts.task_key or "")))
-    # A key forget reaches its slots through mem_versions (the index has no key column).
-    return and_(vc.kind == "memory", vc.ns_path == ts.ns_path, vc.item_id.in_(
-        select(t.mem_versions.c.memory_id).where(
-            t.mem_versions.c.tenant == ts.tenant, t.mem_versions.c.ns_path == ts.ns_path,
-            t.mem_versions.c.mkey == ts.mkey)))
-
-
+    """SQL over `vectors`: entries a tombstone reaches, whatever their order (the index
+    keeps no order; what the slot still holds is re-added). A memory entry's key is its
+    `mem_versions` row's (the index has no key column)."""
+    vc, mv = t.vectors.c, t.mem_versions.c
+    mkey = select(mv.mkey).where(mv.tenant == vc.tenant, mv.memory_id == vc.item_id
+                                 ).scalar_subquery()
+    return or_(
+        and_(vc.kind == "memory", covers_sql(ts, vc, memory_id=vc.item_id, mkey=mkey)),
+        and_(vc.kind == "task", covers_sql(ts, vc)))
 
 
 async def _source_views_position(conn: AsyncConnection) -> int:

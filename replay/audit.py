@@ -21,7 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.errors import ValidationError
 from ledger.events import MEMORY_WRITES, ns_parts, ns_path
-from ledger.store import Store, Tombstone, tombstone_from_row
+from ledger.forgets import Coordinates, Tombstone, covers, tombstone_from_row
+from ledger.store import Store
 from replay.rows import by_tenant, covering, row_dict
 
 _CHUNK = 400
@@ -65,9 +66,9 @@ async def _memory_positions(conn: AsyncConnection, pairs: set[tuple[str, str]]) 
 def _covering_writes(tombs: Sequence[Tombstone], writes: Sequence[dict[str, Any]]
                      ) -> set[int]:
     """Positions of forgets and purges that cover any of these writes."""
-    return {ts.position for ts in tombs for w in writes
-            if ts.covers_write(w["tenant"], w["memory_id"] or "", w["ns_path"] or "",
-                               w["mkey"] or "", w["task_key"], bytes(w["order_key"]))}
+    return {ts.position for ts in tombs for w in writes if covers(ts, Coordinates(
+        w["tenant"], bytes(w["order_key"]), w["memory_id"], w["ns_path"], w["mkey"],
+        w["task_key"]))}
 
 
 async def _versions(conn: AsyncConnection, pairs: set[tuple[str, str]]
@@ -234,8 +235,10 @@ async def audit(store: Store, *, memory_id: str | None = None,
         owners = {(r[0], r[1]): r[2] for tn, tk in task_pairs for r in (await conn.execute(
             select(to.tenant, to.task_key, to.ns_path).where(to.tenant == tn,
                                                              to.task_key == tk))).all()}
+        # The tasks as a whole (whatever the order): by key or by owner namespace.
         positions.update(ts.position for ts in tombs for (tn, tk) in task_pairs
-                         if ts.covers_task(tn, tk, owners.get((tn, tk)), b"\x00"))
+                         if covers(ts, Coordinates(tn, ns_path=owners.get((tn, tk)),
+                                                   task_key=tk)))
         rows = await _events_at(conn, positions)
         # Memories reached through marks and targets: their versions too.
         pairs |= {(r["tenant"], r["memory_id"]) for r in rows

@@ -43,9 +43,10 @@ from ledger import schema as t
 from ledger.chain import ChainCheck
 from ledger.errors import BackupError
 from ledger.events import digest
+from ledger.forgets import tombstone_from_row
 from ledger.records import now_iso
-from ledger.store import Store, tombstone_from_row
-from projections.runner import default_projections
+from ledger.store import Store
+from projections.registry import default_projections
 from replay.errors import DatabaseNotEmpty, RegisterMissing
 from replay.progress import Progress, ProgressCallback
 from replay.rebuild import rebuild, register_events

@@ -28,18 +28,14 @@ from ledger import schema as t
 from ledger.appender import record_unchecked
 from ledger.errors import IdempotencyConflict, RegisterError, ValidationError
 from ledger.events import Event
+from ledger.forgets import tombstone_from_row, tombstone_of, tombstone_row
 from ledger.records import now_iso
-from ledger.store import Store, tombstone_from_row, tombstone_of, tombstone_row
+from ledger.store import Store
 from ledger.validation import parse_event
 from projections.bulk import restore_shape
-from projections.runner import (
-    REBUILD_MARKER,
-    BulkLoadable,
-    Projection,
-    Runner,
-    erase_payloads,
-    write_bulk_state,
-)
+from projections.erasure import erase_payloads
+from projections.protocol import BulkLoadable, Projection
+from projections.runner import REBUILD_MARKER, Runner, write_bulk_state
 from replay.progress import Progress, ProgressCallback
 
 log = structlog.get_logger("memledger.replay")

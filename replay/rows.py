@@ -14,8 +14,8 @@ from sqlalchemy import LargeBinary, Table, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.events import MEMORY_WRITES
+from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.recorder import Recorder
-from ledger.store import Tombstone
 
 #: Task events whose content a forget or purge erases (the purge itself keeps its own).
 TASK_CONTENT: Final = frozenset({"task.opened", "task.noted", "task.closed"})
@@ -69,20 +69,14 @@ def by_tenant(tombs: Iterable[Tombstone]) -> dict[str, list[Tombstone]]:
 def covering(tombs: Mapping[str, Sequence[Tombstone]], row: Mapping[str, Any]
              ) -> Tombstone | None:
     """The first tombstone that covers a stored event's content, judged by its envelope
-    (the same rule as `projections.runner.erase_payloads`), or None."""
+    (the one rule, `ledger.forgets.covers`; `projections.erasure.erase_payloads` applies
+    it in SQL), or None."""
     typ = row["type"]
     if typ not in MEMORY_WRITES and typ not in TASK_CONTENT:
         return None
     candidates = tombs.get(row["tenant"])
     if not candidates:
         return None
-    order = bytes(row["order_key"])
-    for ts in candidates:
-        if typ in MEMORY_WRITES:
-            if ts.covers_write(row["tenant"], row["memory_id"] or "", row["ns_path"] or "",
-                               row["mkey"] or "", row["task_key"], order):
-                return ts
-        elif row["task_key"] is not None and ts.covers_task(
-                row["tenant"], row["task_key"], row["ns_path"], order):
-            return ts
-    return None
+    v = Coordinates(row["tenant"], bytes(row["order_key"]), row["memory_id"],
+                    row["ns_path"], row["mkey"], row["task_key"])
+    return next((ts for ts in candidates if covers(ts, v)), None)

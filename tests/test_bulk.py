@@ -21,7 +21,8 @@ from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections import bulk
-from projections.runner import MemoryProjection, Runner, read_bulk_state
+from projections.runner import Runner, read_bulk_state
+from projections.views import MemoryProjection
 from replay.rebuild import in_progress, rebuild, reset_projection
 from replay.status import status_report
 from replay.verify import verify

@@ -20,15 +20,12 @@ from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections import reads
-from projections.recall import (
-    CACHE,
-    estimate_tokens,
-    item_tokens,
-    recall,
-    task_tokens,
-)
-from projections.runner import MemoryProjection, Runner, TaskProjection
+from projections.budget import estimate_tokens, item_tokens, task_tokens
+from projections.index_cache import CACHE
+from projections.recall import recall
+from projections.runner import Runner
 from projections.vectors import EMBEDDER_ENV, current_embedder, to_blob
+from projections.views import MemoryProjection, TaskProjection
 from tests.factories import event, src, write
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recall_fixture.json"

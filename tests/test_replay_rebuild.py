@@ -8,7 +8,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from ledger import schema as t
-from ledger.store import Store, register_entry
+from ledger.forgets import register_entry
+from ledger.store import Store
 from ledger.validation import parse_event
 from projections import reads
 from projections.runner import Runner

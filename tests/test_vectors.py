@@ -18,8 +18,9 @@ from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.embedding import HashedNgramEmbedder
+from projections.erasure import ErasureProjection
 from projections.recall import recall
-from projections.runner import ErasureProjection, MemoryProjection, Runner, TaskProjection
+from projections.runner import Runner
 from projections.vectors import (
     EMBEDDER_ENV,
     PENDING_META,
@@ -28,6 +29,7 @@ from projections.vectors import (
     from_blobs,
     register_embedder,
 )
+from projections.views import MemoryProjection, TaskProjection
 from replay.rebuild import rebuild
 from tests.factories import event, src, write
 

@@ -17,7 +17,8 @@ from ledger.backends.sqlite import WriteTurn, turn_path
 from ledger.events import Event
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections.runner import Projection, Runner
+from projections.protocol import Projection
+from projections.runner import Runner
 from tests.factories import src, write
 from tests.helpers import dump_views, fresh_replay
 from workers.broker import LedgerBroker

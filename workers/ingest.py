@@ -29,7 +29,7 @@ from ledger.recorder import WriteLock
 from ledger.records import now_iso
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections.runner import dead_letter_covered
+from projections.erasure import dead_letter_covered
 from workers.policy import (
     MAX_DEFERRALS,
     Disposition,

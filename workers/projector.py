@@ -47,7 +47,8 @@ import structlog
 
 from ledger.errors import MemledgerError
 from ledger.store import Store
-from projections.runner import Projection, Runner
+from projections.protocol import Projection
+from projections.runner import Runner
 
 log = structlog.get_logger("memledger.workers")
 

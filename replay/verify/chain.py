@@ -20,8 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.chain import ChainCheck
 from ledger.events import digest
+from ledger.forgets import Tombstone, tombstone_from_row, tombstone_of
 from ledger.records import event_from_wire
-from ledger.store import Store, Tombstone, tombstone_from_row, tombstone_of
+from ledger.store import Store
 from replay.rows import FORGETS, by_tenant, covering, row_dict, stream_rows
 from replay.verify.report import Report
 

@@ -12,27 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.store import Store, Tombstone, tombstone_from_row
-from projections.runner import Runner, dead_letter_covered
+from ledger.forgets import Coordinates, Tombstone, covers, covers_sql, tombstone_from_row
+from ledger.store import Store
+from projections.erasure import dead_letter_covered
+from projections.runner import Runner
 from replay.rebuild import register_events
 from replay.rows import by_tenant, covering, row_dict, stream_rows
 from replay.verify.report import MAX_PROBLEMS, Report
-
-
-def _tomb_sql(ts: Tombstone, cols: Any) -> Any:
-    """A broad SQL pre-filter on a view for rows a tombstone may cover (refined in Python)."""
-    if ts.kind == "memory_id":
-        return cols.memory_id == ts.memory_id
-    if ts.kind == "key":
-        return (cols.ns_path == ts.ns_path) & (cols.mkey == ts.mkey)
-    if ts.kind == "prefix":
-        prefix = ts.ns_path or "\x00"
-        return func.substr(cols.ns_path, 1, len(prefix)) == prefix
-    return cols.task_key == ts.task_key
 
 
 async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep: Report
@@ -40,17 +30,10 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
     mv, tn, tv, vc = t.mem_versions.c, t.task_notes.c, t.tasks_view.c, t.vectors.c
     covered_ids: set[tuple[str, str]] = set()
     purged_tasks: set[tuple[str, str]] = set()
-    owners: dict[tuple[str, str], str] = {
-        (r[0], r[1]): r[2] for r in (await conn.execute(
-            select(t.task_owners.c.tenant, t.task_owners.c.task_key, t.task_owners.c.ns_path))
-        ).all()}
     checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0}
     for ts in tombs:
-        q = select(t.mem_versions).where(mv.tenant == ts.tenant, _tomb_sql(ts, mv))
+        q = select(t.mem_versions).where(covers_sql(ts, mv))
         for r in (await conn.execute(q)).all():
-            if not ts.covers_write(r.tenant, r.memory_id, r.ns_path, r.mkey, r.task_key,
-                                   bytes(r.order_key)):
-                continue
             checked["mem_versions"] += 1
             covered_ids.add((r.tenant, r.memory_id))
             held = [c for c in ("value", "text", "scope", "session_id")
@@ -59,26 +42,17 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
                 rep.add("forgotten", place="mem_versions", tombstone=ts.position,
                         tenant=r.tenant, memory_id=r.memory_id, columns=held,
                         status=r.status)
-        if ts.kind not in ("task", "prefix"):
-            continue
+        to = t.task_owners.c  # a note's namespace is its task owner's
         q2 = select(tn.position, tn.tenant, tn.task_key, tn.order_key, tn.body.is_not(None)
-                    ).where(tn.tenant == ts.tenant)
-        if ts.kind == "task":
-            q2 = q2.where(tn.task_key == ts.task_key)
+                    ).select_from(t.task_notes.outerjoin(t.task_owners, and_(
+                        to.tenant == tn.tenant, to.task_key == tn.task_key))
+                    ).where(covers_sql(ts, tn, ns_path=to.ns_path))
         for r in (await conn.execute(q2)).all():
-            owner = owners.get((r[1], r[2]))
-            if not ts.covers_task(r[1], r[2], owner, bytes(r[3])):
-                continue
             checked["task_notes"] += 1
             if r[4]:
                 rep.add("forgotten", place="task_notes", tombstone=ts.position, tenant=r[1],
                         task_key=r[2], position=int(r[0]))
-        q3 = select(t.tasks_view).where(tv.tenant == ts.tenant)
-        if ts.kind == "task":
-            q3 = q3.where(tv.task_key == ts.task_key)
-        else:
-            prefix = ts.ns_path or "\x00"
-            q3 = q3.where(func.substr(tv.ns_path, 1, len(prefix)) == prefix)
+        q3 = select(t.tasks_view).where(covers_sql(ts, tv, order_key=None))
         for r in (await conn.execute(q3)).all():
             checked["tasks_view"] += 1
             purged_tasks.add((r.tenant, r.task_key))
@@ -86,7 +60,7 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
                 rep.add("forgotten", place="tasks_view", tombstone=ts.position,
                         tenant=r.tenant, task_key=r.task_key,
                         detail="task covered by a purge or prefix forget is not purged")
-            if ts.kind == "task":
+            if covers(ts, Coordinates(r.tenant, task_key=r.task_key)):  # a purge of it
                 summary = orjson.loads(r.summary)
                 extra = sorted(set(summary) - {"task_key", "status", "purged"})
                 if extra:

@@ -15,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.recorder import Recorder
 from ledger.store import Store
-from projections.runner import BulkLoadable, Runner, write_bulk_state
+from projections.protocol import BulkLoadable
+from projections.runner import Runner, write_bulk_state
 from replay.rebuild import REBUILD_BATCH
 from replay.rows import row_dict, stream_rows
 from replay.verify.report import Report

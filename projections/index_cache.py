@@ -1,0 +1,235 @@
+"""The principals' vector indexes, cached: loaded from the `vectors` view, patched with
+what changed since, bounded in bytes (`MEMLEDGER_RECALL_CACHE_MB`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import structlog
+from sqlalchemy import and_, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.store import Store
+from projections import reads
+from projections.embedding import Embedder
+from projections.principal_index import Group, PrincipalIndex, group_key, norm_key
+from projections.sql import prefix_match, prefix_range
+from projections.vectors import (
+    PENDING_META,
+    TASK_PREFIX,
+    columns_from_blobs,
+    from_blobs,
+    memory_ids_of_slots,
+    slots_of,
+    touched,
+)
+
+log = structlog.get_logger("memledger.recall")
+
+#: Writes newer than the index considered directly: at most this many, this recent
+#: (`projections.candidates`); a cached index this far behind is patched, not reloaded.
+LAG_WINDOW: Final = 5000
+#: A cached index is patched for at most this many new events, else reloaded.
+REFRESH_MAX: Final = 2000
+CACHE_ENV: Final = "MEMLEDGER_RECALL_CACHE_MB"
+
+
+class IndexCache:
+    """An LRU of principal indexes, bounded in bytes (`MEMLEDGER_RECALL_CACHE_MB`)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        mb = int(os.environ.get(CACHE_ENV, "1024"))
+        self.max_bytes = max_bytes if max_bytes is not None else mb * 1024 * 1024
+        self._items: OrderedDict[tuple[str, ...], PrincipalIndex] = OrderedDict()
+        self._bytes = 0
+        self.loads = 0
+        self.patches = 0
+
+    def get(self, key: tuple[str, ...]) -> PrincipalIndex | None:
+        """The cached index, marked as recently used."""
+        idx = self._items.get(key)
+        if idx is not None:
+            self._items.move_to_end(key)
+        return idx
+
+    def put(self, key: tuple[str, ...], idx: PrincipalIndex) -> None:
+        """Cache an index, evicting the least recently used beyond the byte bound."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._items[key] = idx
+        self._bytes += idx.nbytes
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, gone = self._items.popitem(last=False)
+            self._bytes -= gone.nbytes
+
+    def clear(self) -> None:
+        """Forget every cached index."""
+        self._items.clear()
+        self._bytes = 0
+
+
+CACHE = IndexCache()
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    vectors: int  # the `vectors` checkpoint
+    stamp: float  # when its last step committed (tells a same-position rebuild apart)
+    pending: int | None  # start of the range the index could not settle, if any
+    head: int  # the ledger's head
+
+
+async def read_positions(conn: AsyncConnection) -> Positions:
+    """Where the index and the ledger stand, in one round trip."""
+    cp, meta = t.checkpoints.c, t.meta.c
+    row = (await conn.execute(select(
+        select(cp.position).where(cp.name == "vectors").scalar_subquery(),
+        select(cp.updated_at).where(cp.name == "vectors").scalar_subquery(),
+        select(meta.value).where(meta.name == PENDING_META).scalar_subquery(),
+        select(func.max(t.events.c.position)).scalar_subquery()))).one()
+    return Positions(int(row[0] or 0), float(row[1] or 0.0),
+                     int(row[2]) if row[2] is not None else None, int(row[3] or 0))
+
+
+async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
+                          emb: Embedder, at: Positions | None = None) -> PrincipalIndex:
+    """The principal's vectors at the current `vectors` checkpoint (cached)."""
+    at = at or await read_positions(conn)
+    key = (store.url, who.tenant, who.user, emb.name)
+    cached = CACHE.get(key)
+    # The step time tells a rebuild that ended at the same position from no change.
+    if cached is not None and (cached.position, cached.stamp) == (at.vectors, at.stamp):
+        return cached
+    if cached is not None and at.pending is None and cached.pending is None \
+            and cached.position < at.vectors <= cached.position + LAG_WINDOW \
+            and await _refresh(conn, store, who, emb, cached, at.vectors):
+        cached.position, cached.stamp = at.vectors, at.stamp
+        CACHE.put(key, cached)  # its size may have changed
+        return cached
+    idx = await _load_index(conn, store, who, emb, at.vectors, at.pending)
+    idx.stamp = at.stamp
+    CACHE.put(key, idx)
+    return idx
+
+
+def _index_rows(who: reads.Principal, store: Store) -> Any:
+    """SELECT of the principal's index entries, with key and source order beside."""
+    vc, mv = t.vectors.c, t.mem_versions.c
+    # The range lets the (tenant, ns_path) index serve the prefix where it can.
+    conds = [vc.tenant == who.tenant, prefix_match(vc.ns_path, who.prefix),
+             *prefix_range(store, vc.ns_path, who.prefix)]
+    return (select(vc.item_id, vc.kind, vc.layer, vc.task_key, vc.session_id, vc.model,
+                   vc.dim, vc.vector, mv.mkey, mv.order_key)
+            .select_from(t.vectors.outerjoin(t.mem_versions, and_(
+                mv.tenant == vc.tenant, mv.memory_id == vc.item_id)))
+            .where(*conds))
+
+
+async def _refresh(conn: AsyncConnection, store: Store, who: reads.Principal, emb: Embedder,
+                   idx: PrincipalIndex, position: int) -> bool:
+    """Patch the cached index with what changed in (idx.position, position].
+
+    Uses the projection's own notion of what a run of events touches (`touched`,
+    `slots_of`), restricted to this principal. Returns False when a full reload is the
+    better choice (a prefix forget, many changes, many removed rows).
+    """
+    events = [se for se in await store.read_events(conn, idx.position, REFRESH_MAX + 1,
+                                                   upto=position)
+              if se.tenant == who.tenant]
+    if len(events) > REFRESH_MAX:
+        return False
+    mine = [se for se in events if _concerns(se, who, idx)]
+    seen = {se.position for se in mine}
+    unknown = sorted({se.memory_id for se in events if se.ns_path is None
+                      and se.memory_id and se.position not in seen})
+    if unknown:  # supersessions or confirmations of ids the index does not hold
+        mv = t.mem_versions.c
+        q = select(mv.memory_id).where(mv.tenant == who.tenant, mv.memory_id.in_(unknown),
+                                       prefix_match(mv.ns_path, who.prefix))
+        theirs = {r[0] for r in (await conn.execute(q)).all()}
+        mine.extend(se for se in events if se.memory_id in theirs and se.ns_path is None)
+    if not mine:
+        return True
+    if any(se.type == "memory.forgotten" and se.mkey is None and se.memory_id is None
+           for se in mine):
+        return False  # a namespace-prefix forget: reload
+    touch = touched(mine)
+    tombs = await touch.tombstones(store, conn, position)
+    ids = {m for _, m in await memory_ids_of_slots(
+        conn, await slots_of(conn, touch.mem_ids, touch.slots, tombs))}
+    ids.update(m for _, m in touch.mem_ids)
+    vc = t.vectors.c
+    rows: list[Any] = []
+    for chunk in _chunk_list(sorted(ids)):
+        q = _index_rows(who, store).where(vc.item_id.in_(chunk), vc.kind == "memory",
+                                          vc.model == emb.name, vc.dim == emb.dim)
+        rows.extend((await conn.execute(q)).all())
+    for m in ids:
+        idx.remove(m)
+    vecs = from_blobs([bytes(r.vector) for r in rows], emb.dim)
+    for r, vec in zip(rows, vecs, strict=True):
+        idx.add(r, vec)
+    if touch.tasks or tombs:
+        q = _index_rows(who, store).where(vc.kind == "task", vc.model == emb.name,
+                                          vc.dim == emb.dim)
+        tasks = (await conn.execute(q)).all()
+        idx.task_ids = [r.item_id[len(TASK_PREFIX):] for r in tasks]
+        idx.task_matrix = from_blobs([bytes(r.vector) for r in tasks], emb.dim)
+    CACHE.patches += 1
+    return idx.dead <= max(1024, idx.n // 4)  # past that, compact by reloading
+
+
+def _concerns(se: Any, who: reads.Principal, idx: PrincipalIndex) -> bool:
+    """Is the event about this principal's namespaces (or an id its index holds)?"""
+    if se.ns_path is not None:
+        return bool(se.ns_path.startswith(who.prefix) or who.prefix.startswith(se.ns_path))
+    return se.memory_id is not None and idx.has(se.memory_id)
+
+
+def _chunk_list(items: Sequence[str], n: int = 400) -> list[Sequence[str]]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
+                      emb: Embedder, position: int, pending: int | None) -> PrincipalIndex:
+    rows = (await conn.execute(_index_rows(who, store))).all()
+    CACHE.loads += 1
+    other = sum(1 for r in rows if r.model != emb.name or r.dim != emb.dim)
+    if other:
+        log.warning("vectors_of_other_model", entries=other, model=emb.name,
+                    hint="run `memledger replay rebuild --projection vectors`")
+    ours = [r for r in rows if r.model == emb.name and r.dim == emb.dim]
+    longs = [r for r in ours if r.kind == "memory" and r.layer == "long"]
+    tasks = [r for r in ours if r.kind == "task"]
+    grouped: dict[tuple[str, str], list[Any]] = {}
+    for r in ours:
+        if r.kind == "memory" and r.layer != "long":
+            grouped.setdefault(group_key(r), []).append(r)
+    key_rows: dict[str, list[int]] = {}
+    for i, r in enumerate(longs):
+        key_rows.setdefault(norm_key(r.mkey or ""), []).append(i)
+    ids = [r.item_id for r in longs]
+    return PrincipalIndex(
+        position=position, pending=pending, model=emb.name, dim=emb.dim,
+        # Room for 1/16 more rows, so new writes are appended without copying the matrix.
+        columns=columns_from_blobs([bytes(r.vector) for r in longs], emb.dim,
+                                   capacity=len(longs) + max(64, len(longs) // 16)),
+        n=len(longs), alive=np.arange(len(longs) + max(64, len(longs) // 16)) < len(longs),
+        ids=ids, keys=[r.mkey or "" for r in longs],
+        orders=[bytes(r.order_key) if r.order_key is not None else b"" for r in longs],
+        row_of={m: i for i, m in enumerate(ids)}, key_rows=key_rows,
+        groups={k: Group([r.item_id for r in g], [r.mkey or "" for r in g],
+                         columns_from_blobs([bytes(r.vector) for r in g], emb.dim))
+                for k, g in grouped.items()},
+        task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
+        task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),
+        other_models=other)
+

@@ -1,0 +1,139 @@
+"""Recall's ranking: overrides by layer, priority tiers, relevance, then source
+reliability, then recency (R19, R26, R27); and the open tasks a turn is about (R4).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+import orjson
+from numpy.typing import NDArray
+
+from projections import reads
+from projections.candidates import MIN_RELEVANCE, Candidate
+from projections.embedding import Embedder
+from projections.principal_index import PrincipalIndex
+from projections.vectors import task_text
+
+#: How much a source is trusted when two memories are equally relevant (R19).
+RELIABILITY: Final = {
+    "explicit_user_request": 1.0, "operator": 0.95, "system_of_record": 0.9,
+    "user_statement": 0.7, "model_inference": 0.5, "tool_output": 0.3,
+    "retrieved_document": 0.3}
+#: Relevance is compared at this precision, so that near-equal scores fall through to
+#: source reliability and then recency (R19) instead of to noise in the last digits.
+RELEVANCE_DIGITS: Final = 3
+#: A task must be at least this similar to the query to be offered at all.
+TASK_MIN: Final = 0.15
+#: Tasks within this much of the best match are equally good candidates: ambiguous (R4).
+TASK_MARGIN: Final = 0.1
+
+
+def _tier(r: Any) -> int:
+    """Budget priority (R26): the current turn's session memories, then task facts and
+    corrections, then everything else."""
+    if r.layer == "session":
+        return 0
+    if r.layer == "task" or r.version > 1 or r.supersedes:
+        return 1
+    return 2
+
+
+def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
+         ) -> list[tuple[Any, float, str]]:
+    """Overrides, then priority and rank order: [(row, relevance, reason)]."""
+    by_key: dict[tuple[str, str], list[Any]] = {}
+    for r in rows:
+        by_key.setdefault((r.ns_path, r.mkey), []).append(r)
+    out: list[tuple[Any, float, str]] = []
+    for group in by_key.values():
+        group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
+        win = group[0]
+        c = cands.get(win.memory_id, Candidate(0.0, "semantic match"))
+        rel = max(cands[r.memory_id].relevance if r.memory_id in cands else 0.0
+                  for r in group)
+        basis = c.basis if c.relevance >= rel else next(
+            cands[r.memory_id].basis for r in group
+            if r.memory_id in cands and cands[r.memory_id].relevance == rel)
+        if win.layer == "long" and has_query and rel < MIN_RELEVANCE:
+            continue
+        reason = [f"{basis} {rel:.2f}" if basis == "semantic match" else basis]
+        lower = [r.layer for r in group[1:]]
+        if win.layer == "session":
+            reason.append("current session memory"
+                          + (", overrides the stored value for this turn (R27)"
+                             if lower else ""))
+        elif win.layer == "task":
+            reason.append("current task fact"
+                          + (", overrides the long-term value in this task (R8)"
+                             if lower else ""))
+        else:
+            reason.append("long-term memory")
+        if win.layer == "long" and (win.version > 1 or win.supersedes):
+            reason.append(f"correction (version {win.version})")
+        kind = _source_kind(win)
+        reason.append(f"source {kind}")
+        out.append((win, rel, "; ".join(reason)))
+    # Recency (source order, newest first) only breaks ties left by relevance and then
+    # by source reliability (R19); both sorts are stable.
+    out.sort(key=lambda x: bytes(x[0].order_key), reverse=True)
+    out.sort(key=lambda x: (_tier(x[0]), -round(x[1], RELEVANCE_DIGITS),
+                            -RELIABILITY.get(_source_kind(x[0]), 0.5)))
+    return out
+
+
+def _source_kind(r: Any) -> str:
+    return str(orjson.loads(r.source).get("kind", ""))
+
+
+_REF_EDGE = r"(?<![0-9a-z]){}(?![0-9a-z])"
+
+
+def relevant_tasks(open_tasks: list[dict[str, Any]], idx: PrincipalIndex, emb: Embedder,
+                   qtext: str | None, qvec: NDArray[np.float32] | None, task: str | None
+                   ) -> list[dict[str, Any]]:
+    """The open tasks the turn is about (R4): the current one, or the query's matches."""
+    if task is not None:
+        return [{**x, "score": 1.0, "reason": "current task", "ambiguous": False}
+                for x in open_tasks if x["task_key"] == task]
+    if qtext is None or qvec is None:
+        return [{**x, "score": 1.0, "reason": "open task", "ambiguous": False}
+                for x in open_tasks]
+    if not open_tasks:
+        return []
+    q = qtext.casefold()
+    exact: list[dict[str, Any]] = []
+    for x in open_tasks:
+        refs = [x["task_key"], *[str(v) for v in (x.get("refs") or {}).values()]]
+        if any(len(ref) >= 2 and re.search(_REF_EDGE.format(re.escape(ref.casefold())), q)
+               for ref in refs):
+            exact.append(x)
+    if exact:
+        amb = len(exact) > 1
+        return [{**x, "score": 1.0, "reason": "the query names this task or one of its "
+                 "references" + ("; several tasks match equally: ask which (R4)" if amb else ""),
+                 "ambiguous": amb} for x in exact]
+    pos = {k: i for i, k in enumerate(idx.task_ids)}
+    missing = [x for x in open_tasks if x["task_key"] not in pos]
+    sims: dict[str, float] = {}
+    if idx.task_ids:
+        s = idx.task_matrix @ qvec
+        sims = {k: float(s[i]) for k, i in pos.items()}
+    if missing:  # not indexed yet: embed the summary now
+        s2 = emb.embed([task_text(x["task_key"], x) for x in missing]) @ qvec
+        sims.update({x["task_key"]: float(v) for x, v in zip(missing, s2, strict=True)})
+    scored = sorted(((sims.get(x["task_key"], 0.0), x) for x in open_tasks),
+                    key=lambda p: -p[0])
+    best = scored[0][0]
+    if best < TASK_MIN:
+        return []
+    close = [(s, x) for s, x in scored if s >= max(TASK_MIN, best - TASK_MARGIN)]
+    amb = len(close) > 1
+    return [{**x, "score": round(s, 4),
+             "reason": f"semantic match {s:.2f} with the task summary"
+             + ("; several tasks match about equally: ask which (R4)" if amb else ""),
+             "ambiguous": amb} for s, x in close]
+

@@ -1,0 +1,82 @@
+"""The memories view's slots in the database: which slots a tombstone reaches, and the
+rows of a set of slots resolved from all their facts (`projections.memory`).
+
+Shared by the live projection (`projections.views.MemoryProjection`), its bulk load
+(`projections.bulk`) and the vector index (`projections.vectors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.forgets import Tombstone, covers_sql
+from ledger.recorder import pairs_in
+from projections.memory import Mark, WriteFact, resolve_slot
+from projections.sql import chunks
+
+
+def reaches(ts: Tombstone) -> Any:
+    """SQL: the `mem_versions` row has the tombstone's coordinates, whatever its order
+    (the slot's resolution then decides which of its versions are covered)."""
+    return covers_sql(ts, t.mem_versions.c, order_key=None)
+
+
+async def covered_slots(conn: AsyncConnection, ts: Tombstone) -> set[str]:
+    """The slots of `mem_versions` a tombstone reaches."""
+    mv = t.mem_versions.c
+    q = select(mv.slot).where(reaches(ts)).distinct()
+    return {r[0] for r in (await conn.execute(q)).all()}
+
+
+async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]],
+                        tombs: Sequence[Tombstone],
+                        marked: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """The view rows of these slots, each given every write it holds.
+
+    Reads the marks aimed at the slots' memory ids (and which candidates that could
+    supersede through them are confirmed) from `mem_marks`, which must be complete up
+    to the position the writes and `tombs` were read up to; `marked`, when the caller
+    knows it, narrows that to the (tenant, memory id)s that have marks. Every slot must
+    belong to a tenant whose tombstones are all in `tombs`.
+    """
+    mk = t.mem_marks.c
+    ids = sorted({(w.tenant, w.memory_id) for ws in slots.values() for w in ws}
+                 if marked is None else marked)
+    slot_marks: dict[tuple[str, str], list[Mark]] = {}
+    vias: set[tuple[str, str]] = set()
+    for chunk in chunks(ids):
+        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
+        for r in (await conn.execute(q)).all():
+            m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                     r.via_candidate, r.owner)
+            slot_marks.setdefault((m.tenant, m.target), []).append(m)
+            if m.via_candidate:
+                vias.add((m.tenant, m.via_candidate))
+    confirmed: set[str] = set()
+    for chunk in chunks(sorted(vias)):
+        q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
+                                    mk.kind == "confirmed")
+        confirmed.update(r[0] for r in (await conn.execute(q)).all())
+    by_tenant: dict[str, list[Tombstone]] = {}
+    for ts in tombs:
+        by_tenant.setdefault(ts.tenant, []).append(ts)
+    rows: list[dict[str, Any]] = []
+    for slot in sorted(slots):
+        ws = slots[slot]
+        if not ws:
+            continue
+        ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), ())]
+        rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
+    return rows
+
+
+def mark_row(m: Mark) -> dict[str, Any]:
+    """The `mem_marks` row of a mark."""
+    return {"position": m.position, "tenant": m.tenant, "target": m.target, "kind": m.kind,
+            "order_key": m.order, "by_id": m.by_id, "via_candidate": m.via_candidate,
+            "owner": m.owner}

@@ -1,0 +1,84 @@
+"""The tasks view's rows in the database: task notes as stored, and the `tasks_view`
+rows of some tasks recomputed from their notes (`projections.tasks`).
+
+Shared by the live projection (`projections.views.TaskProjection`) and its bulk load
+(`projections.bulk`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from sqlalchemy import delete, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.events import encode_json
+from ledger.forgets import Coordinates, Tombstone, covers
+from ledger.recorder import pairs_in
+from ledger.records import StoredEvent
+from ledger.store import Store
+from projections.sql import chunks, insert_rows
+from projections.tasks import Note, note_body, summarize
+
+
+async def summarize_tasks(store: Store, conn: AsyncConnection,
+                          keys: Sequence[tuple[str, str]], upto: int) -> None:
+    """Recompute the `tasks_view` rows of these (tenant, task key)s from their notes.
+
+    `task_notes` must hold every note up to `upto`; covered note bodies are erased.
+    """
+    tn, tv = t.task_notes.c, t.tasks_view.c
+    by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
+    owners: dict[tuple[str, str], str] = {}
+    to = t.task_owners.c
+    for chunk in chunks(keys):
+        q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
+        for r in (await conn.execute(q)).all():
+            body = _dec(r.body)
+            by_task[(r.tenant, r.task_key)].append(
+                Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
+        q2 = select(to.tenant, to.task_key, to.ns_path).where(
+            pairs_in(to.tenant, to.task_key, chunk))
+        owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
+    tombs_of: dict[str, list[Tombstone]] = {}
+    for x in await store.tombstones(conn, {k[0] for k in keys}, upto=upto):
+        tombs_of.setdefault(x.tenant, []).append(x)
+    rows = []
+    erase: list[int] = []
+    for (tenant, task_key), ns in by_task.items():
+        owner = owners.get((tenant, task_key))
+        tt = tombs_of.get(tenant, [])
+        res = summarize(tenant, task_key, owner, ns, tt)
+        erase.extend(n.position for n in ns if n.body is not None and (
+            res["purged"] or any(covers(x, Coordinates(tenant, n.order, ns_path=owner,
+                                                       task_key=task_key)) for x in tt)))
+        # The task as a whole, by its owner's namespace alone: a prefix forget of it.
+        forgotten_owner = owner is not None and any(
+            covers(x, Coordinates(tenant, ns_path=owner)) for x in tt)
+        rows.append({"tenant": tenant, "task_key": task_key, "ns_path": owner,
+                     "status": res["status"], "retain_until_us": res["retain_until_us"],
+                     "purged": bool(res["purged"] or forgotten_owner),
+                     "summary": res["summary"]})
+    for chunk in chunks(erase, 500):
+        await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
+                           .values(body=None))
+    for chunk in chunks(keys):
+        await conn.execute(delete(t.tasks_view).where(pairs_in(tv.tenant, tv.task_key, chunk)))
+    await insert_rows(store, conn, t.tasks_view, rows)
+
+
+def note_row(se: StoredEvent) -> dict[str, Any]:
+    """The `task_notes` row of a task event."""
+    return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
+            "type": se.type, "order_key": se.order_key, "body": _enc(note_body(se))}
+
+
+def _enc(obj: Any) -> bytes | None:
+    return encode_json(obj) if obj is not None else None
+
+
+def _dec(raw: bytes | None) -> dict[str, Any] | None:
+    return orjson.loads(raw) if raw is not None else None
