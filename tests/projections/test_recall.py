@@ -28,7 +28,7 @@ from projections.vectors import EMBEDDER_ENV, current_embedder, to_blob
 from projections.views import MemoryProjection, TaskProjection
 from tests.factories import event, src, write
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recall_fixture.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recall_fixture.json"
 NS = ["shop-a", "u7", "preferences"]
 NOW = 1_800_000_000_000_000  # 2027-01-15, after every source time below
 U7 = "shop-a/u7"

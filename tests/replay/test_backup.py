@@ -29,7 +29,7 @@ from replay.verify.forgotten import verify_forgotten
 from tests.cli import Cli
 from tests.factories import event, src, write
 from tests.helpers import dump_views
-from tests.test_replay_verify import NS7, SECRET, TASK_SECRET, at, load, story
+from tests.replay.test_verify import NS7, SECRET, TASK_SECRET, at, load, story
 
 U7 = reads.Principal("shop-a", "u7")
 NOW = 1_900_000_000_000_000

@@ -28,8 +28,8 @@ from replay.status import status_report
 from replay.verify import verify
 from tests.factories import event, src, write
 from tests.helpers import dump_views, fresh_replay
-from tests.test_projections import gen_events
-from tests.test_replay_verify import at, load, story
+from tests.projections.test_views import gen_events
+from tests.replay.test_verify import at, load, story
 
 
 async def _bulk_state(store: Store, name: str) -> dict[str, object] | None:

@@ -19,7 +19,7 @@ from replay.verify.forgotten import verify_forgotten
 from tests.cli import Cli
 from tests.factories import event, src, write
 from tests.helpers import dump_views
-from tests.test_replay_verify import NS7, SECRET, at, load, story
+from tests.replay.test_verify import NS7, SECRET, at, load, story
 
 U7 = reads.Principal("shop-a", "u7")
 NOW = 1_900_000_000_000_000
@@ -99,7 +99,7 @@ async def test_register_forget_of_an_absent_memory_is_still_recorded(store: Stor
 async def test_interrupted_rebuild_resumes(store: Store) -> None:
     """An event-by-event rebuild cut off after one batch is resumed by the next run from
     its checkpoint; `restart` drops the views again instead (a bulk load resuming:
-    tests/test_bulk.py)."""
+    tests/projections/test_bulk.py)."""
     await load(store)
     expected = await dump_views(store, t.VIEW_TABLES)
     runner = Runner(store, batch_size=4)

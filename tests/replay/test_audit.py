@@ -12,7 +12,7 @@ from ledger.store import Store
 from projections.recall import recall
 from replay.audit import audit, audit_record
 from tests.cli import Cli
-from tests.test_replay_verify import NS7, SECRET, TASK_SECRET, load, story
+from tests.replay.test_verify import NS7, SECRET, TASK_SECRET, load, story
 
 NOW = 1_900_000_000_000_000
 

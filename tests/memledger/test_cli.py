@@ -30,10 +30,10 @@ from replay.progress import ProgressUpdate
 from replay.rebuild import rebuild
 from tests.cli import BIN, Cli
 from tests.factories import write
-from tests.test_replay_verify import load, story
+from tests.replay.test_verify import load, story
 from workers.runtime import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
             "replay", "backup", "restore", "sweep", "dead-letters"}

@@ -24,8 +24,8 @@ from projections.embedding import (
     get_embedder,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recall_fixture.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recall_fixture.json"
 TOP_K = 5
 RECALL_FLOOR = 0.8
 
