@@ -7,6 +7,7 @@ are reported by kind and place, never echoed (R23).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Final
 
@@ -39,6 +40,14 @@ MAX_ID_CHARS: Final = 256
 MAX_NS_PART_CHARS: Final = 128
 MAX_REFS: Final = 32
 MAX_SEQ: Final = (1 << 63) - 1
+#: Integers anywhere in an event must fit a signed 64-bit integer: orjson reads larger
+#: ones as floats (silently rounded), and neither database's JSON keeps them exactly.
+MIN_INT: Final = -(1 << 63)
+MAX_INT: Final = (1 << 63) - 1
+#: Nesting depth of a whole event (orjson cannot encode deeper than 254 levels).
+MAX_DEPTH: Final = 64
+_RFC3339_SHAPE: Final = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$")
 
 _ENVELOPE_KEYS: Final = frozenset(
     {"type", "idempotency_key", "tenant", "actor", "source", "data", "expected_version"}
@@ -117,13 +126,15 @@ def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> 
     v = obj[key]
     if not isinstance(v, str):
         raise _fail(field, "must be an RFC 3339 timestamp string with offset")
-    try:
-        parse_rfc3339(v)
-    except ValueError:
+    if not _RFC3339_SHAPE.match(v):
         raise _fail(
             field, f"{v[:40]!r} is not an RFC 3339 timestamp with offset "
             "(e.g. 2026-09-20T10:00:00+08:00)"
-        ) from None
+        )
+    try:
+        parse_rfc3339(v)
+    except ValueError as e:
+        raise _fail(field, f"{v[:40]!r} is not a valid timestamp: {e}") from None
     return v
 
 
@@ -169,10 +180,77 @@ def _owner_check(kind: str, actor: str, ns: list[str], field: str) -> None:
         )
 
 
+#: Field names that a message may repeat (any other key could hold anything, a secret
+#: included, so it is never echoed).
+_KNOWN_NAMES: Final = frozenset().union(_ENVELOPE_KEYS, _SOURCE_KEYS, *_DATA_KEYS.values())
+
+
+def _field_path(path: tuple[str, ...]) -> str:
+    """A message's name for a place in an event: known field names, at most two deep."""
+    out = ""
+    for depth, part in enumerate(path[:2]):
+        name = part if part in _KNOWN_NAMES else "<field>"
+        out = f"{out}.{name}" if depth else name
+        if name == "<field>":
+            break
+    return out
+
+
+def _check_json(obj: object) -> None:
+    """Refuse what no backend stores as given (R20): NUL and lone surrogates in any string
+    (object keys included), integers outside 64 bits, non-finite floats, non-JSON types
+    and nesting deeper than `MAX_DEPTH`.
+
+    PostgreSQL text cannot hold NUL and SQLite's `->>` stops at it, so NUL is refused on
+    both backends alike rather than stored on one and cut on the other.
+    """
+    stack: list[tuple[object, tuple[str, ...]]] = [(obj, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            _check_string(v, path, "a string")
+        elif isinstance(v, dict):
+            if len(path) >= MAX_DEPTH:
+                raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
+            for k, child in v.items():
+                if not isinstance(k, str):
+                    raise _fail(_field_path(path), "object keys must be strings")
+                _check_string(k, path, "an object key")
+                stack.append((child, (*path, k)))
+        elif isinstance(v, list):
+            if len(path) >= MAX_DEPTH:
+                raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
+            stack.extend((child, (*path, "[]")) for child in v)
+        elif isinstance(v, bool) or v is None:
+            continue
+        elif isinstance(v, int):
+            if not MIN_INT <= v <= MAX_INT:
+                raise _fail(_field_path(path), "integers must be within -2**63..2**63-1; "
+                            "send a larger number as a string")
+        elif isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise _fail(_field_path(path), "numbers must be finite")
+        else:
+            raise _fail(_field_path(path), f"{type(v).__name__} is not a JSON value")
+
+
+def _check_string(v: str, path: tuple[str, ...], what: str) -> None:
+    if "\x00" in v:
+        raise _fail(_field_path(path), f"{what} contains NUL (\\u0000), which no backend "
+                    "stores; remove it")
+    if _SURROGATE.search(v):
+        raise _fail(_field_path(path), f"{what} contains a lone UTF-16 surrogate, which is "
+                    "not valid Unicode text")
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
 def parse_event(obj: object) -> Event:
     """Validate a decoded wire object and return the normalised `Event`."""
     if not isinstance(obj, dict):
         raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
+    _check_json(obj)
     _check_keys(obj, _ENVELOPE_KEYS, "")
     etype = obj.get("type")
     if etype not in EVENT_TYPES:
@@ -185,7 +263,8 @@ def parse_event(obj: object) -> Event:
         raise _fail("tenant", "must not contain '/'")
     expected = obj.get("expected_version")
     if expected is not None and (
-        isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+        isinstance(expected, bool) or not isinstance(expected, int)
+        or not 0 <= expected <= MAX_SEQ
     ):
         raise _fail("expected_version", "must be an integer >= 0")
     source = _parse_source(obj.get("source"))
@@ -444,10 +523,68 @@ _PARSERS = {
 }
 
 
-def decode_event(line: bytes | str) -> Event:
-    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
+#: Where a member's key ends, or (inside strings only) a `"` then `:`. Its count bounds
+#: the number of keys in the text from above.
+_KEY_END: Final = re.compile(rb'"[ \t\r\n]*:')
+#: A run of digits too long for a 64-bit integer (orjson would read it as a float).
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _members(obj: object) -> int:
+    """How many object members a decoded value holds, at every depth."""
+    n = 0
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            n += len(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return n
+
+
+def decode_json(line: bytes | str) -> Any:
+    """Decode one JSON text strictly: malformed JSON, a key repeated in one object, or an
+    integer beyond 64 bits is a `ValidationError` (orjson alone keeps the last of
+    repeated keys and reads big integers as rounded floats).
+
+    orjson decodes; the exact check (the standard library's parser) runs only when a
+    cheap count says a key may repeat or a digit run is long enough to overflow.
+    """
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as e:
         raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
-    return parse_event(obj)
+    raw = line if isinstance(line, bytes) else line.encode()
+    if len(_KEY_END.findall(raw)) == _members(obj) and not _LONG_DIGITS.search(raw):
+        return obj
+    try:
+        exact = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        name = repr(e.key) if e.key in _KNOWN_NAMES else "a key"
+        raise ValidationError("", f"duplicate key: {name} appears twice in one object; "
+                              "send each key once") from None
+    except (ValueError, RecursionError):
+        return obj  # orjson read it: its verdict stands (the checks below still run)
+    _check_json(exact)
+    return obj
+
+
+def decode_event(line: bytes | str) -> Event:
+    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
+    return parse_event(decode_json(line))
