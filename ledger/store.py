@@ -255,6 +255,17 @@ def register_entry(ev: Event, position: int) -> dict[str, Any]:
     return {"position": position, "event": wire}
 
 
+async def ledger_id(conn: AsyncConnection) -> str | None:
+    """The ledger's identity: the hash-chain link of its first event (None while empty).
+
+    It never changes (events are never removed, erasure keeps the envelope) and travels
+    with every backup, so the forget register can name the ledger it belongs to.
+    """
+    row = (await conn.execute(
+        select(t.events.c.chain).where(t.events.c.position == 1))).first()
+    return str(row[0]) if row is not None else None
+
+
 # -- the store ----------------------------------------------------------------------------
 
 _MISSING: Final = object()
@@ -634,7 +645,10 @@ class _Appender:
         if self.rows:
             # Register first: if the commit then fails, reapplying a forget that was asked
             # for is harmless; a committed forget missing from the register is not.
-            self.store.register.append(self.register)
+            if self.register:
+                first = self.rows[0] if self.rows[0]["position"] == 1 else None
+                self.store.register.append(self.register, ledger=(
+                    first["chain"] if first is not None else await ledger_id(self.conn)))
             if self.store.dialect == "sqlite":
                 # SQLAlchemy's per-row parameter processing cost ~10 us a row here; the
                 # driver takes plain tuples in column order (no type needs converting).

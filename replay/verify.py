@@ -31,6 +31,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.errors import RegisterError
 from ledger.events import digest
 from ledger.store import (
     GENESIS,
@@ -42,7 +43,7 @@ from ledger.store import (
     tombstone_of,
 )
 from projections.runner import BulkLoadable, Runner, dead_letter_covered, write_bulk_state
-from replay.rebuild import REBUILD_BATCH, register_events
+from replay.rebuild import REBUILD_BATCH, register_events, register_problems
 from replay.rows import FORGETS, by_tenant, covering, row_dict, stream_rows
 
 MAX_PROBLEMS: Final = 50
@@ -440,10 +441,20 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
     if catch_up:
         await Runner(store).catch_up()
     rep = Report(limit)
-    register = register_events(store)
     notes: list[str] = []
+    scan = store.register.scan()
+    try:
+        register = register_events(store)
+    except RegisterError:
+        register = []  # the damage is reported below, from the scan
     async with store.read() as conn:
         await _snapshot_settings(conn, store.dialect)
+        for problem in await register_problems(conn, scan):
+            rep.add("forgotten", place="forget_register", detail=problem)
+        if scan.format == "legacy":
+            notes.append(f"forget register {scan.path} is in the legacy format (no ledger "
+                         "id, sequence or chain): the next forget or `memledger replay "
+                         "rebuild` rewrites it in format 2")
         tombs = sorted((tombstone_from_row(r) for r in
                         (await conn.execute(select(t.tombstones))).all()),
                        key=lambda x: x.position)
