@@ -29,7 +29,7 @@ from ledger.events import (
     parse_rfc3339,
     to_us,
 )
-from ledger.secrets import find_secrets
+from ledger.secrets import SecretFinding, find_secret_in_text, find_secrets
 
 #: Derived memory ids (`derive_memory_id`) have this form and no explicit id may take it,
 #: so a derived id is unique exactly when its idempotency key is.
@@ -251,6 +251,9 @@ def parse_event(obj: object) -> Event:
     if not isinstance(obj, dict):
         raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
     _check_json(obj)
+    # Every string (and number) of the event, envelope and keys included, before any
+    # rule that might repeat a value in its message (R23): identifiers survive a forget.
+    _no_secrets(obj, "")
     _check_keys(obj, _ENVELOPE_KEYS, "")
     etype = obj.get("type")
     if etype not in EVENT_TYPES:
@@ -336,10 +339,6 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
     supersedes = _identifier(d, "supersedes", "data", required=corrected)
     expires_at = _timestamp(d, "expires_at", "data", required=False)
     text = _text(d, "text", "data", required=False)
-    _no_secrets(value, "data.value")
-    if text is not None:
-        _no_secrets(text, "data.text")
-    _no_secrets(key, "data.key")
     out: dict[str, Any] = {
         "namespace": ns,
         "key": key,
@@ -348,6 +347,11 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         "memory_id": memory_id or derive_memory_id(tenant, idem),
         "text": text if text is not None else _default_text(key, value),
     }
+    kind = find_secret_in_text(out["text"]) if text is None else None
+    if kind is not None:
+        # Key and value read together, as the default text shows them: {"key": "pw",
+        # "value": "Hunter2!"} is "pw: Hunter2!".
+        raise _fail("data.value", SecretFinding(kind, "data.key with data.value").describe())
     for name, v in (("task_key", task_key), ("session_id", session_id), ("scope", scope),
                     ("supersedes", supersedes), ("expires_at", expires_at)):
         if v is not None:
@@ -406,7 +410,6 @@ def _forgotten(d: dict[str, Any], tenant: str, actor: str, source: Source,
     out: dict[str, Any] = {}
     reason = _text(d, "reason", "data", required=False, max_chars=1024)
     if reason is not None:
-        _no_secrets(reason, "data.reason")
         out["reason"] = reason
     target = targets[0]
     if target == "memory_id":
@@ -440,7 +443,6 @@ def _refs(d: dict[str, Any]) -> dict[str, str] | None:
     for k, v in refs.items():
         if not isinstance(v, str) or len(v) > MAX_ID_CHARS or len(k) > MAX_ID_CHARS:
             raise _fail(f"data.refs.{k[:40]}", f"must be a string of at most {MAX_ID_CHARS} chars")
-    _no_secrets(refs, "data.refs")
     return dict(refs)
 
 
@@ -456,7 +458,6 @@ def _task_opened(d: dict[str, Any], tenant: str, actor: str, source: Source,
         out["refs"] = refs
     title = _text(d, "title", "data", required=False, max_chars=1024)
     if title is not None:
-        _no_secrets(title, "data.title")
         out["title"] = title
     return out
 
@@ -472,7 +473,6 @@ def _task_noted(d: dict[str, Any], tenant: str, actor: str, source: Source,
         raise _fail("data.kind", f"system_status notes need source kind system_of_record, "
                     f"got {source.kind}: only the system of record states task facts (R3)")
     text = _text(d, "text", "data", required=True)
-    _no_secrets(text, "data.text")
     out: dict[str, Any] = {"task_key": task_key, "kind": kind, "text": text}
     fields = d.get("fields")
     if fields is not None:
@@ -480,7 +480,6 @@ def _task_noted(d: dict[str, Any], tenant: str, actor: str, source: Source,
             raise _fail("data.fields", "must be an object")
         if len(encode_json(fields)) > MAX_VALUE_BYTES:
             raise _fail("data.fields", f"must be at most {MAX_VALUE_BYTES} bytes encoded")
-        _no_secrets(fields, "data.fields")
         out["fields"] = fields
     return out
 
@@ -491,7 +490,6 @@ def _task_closed(d: dict[str, Any], tenant: str, actor: str, source: Source,
     out: dict[str, Any] = {"task_key": _identifier(d, "task_key", "data")}
     resolution = _text(d, "resolution", "data", required=False, max_chars=1024)
     if resolution is not None:
-        _no_secrets(resolution, "data.resolution")
         out["resolution"] = resolution
     retain = _timestamp(d, "retain_until", "data", required=False)
     if retain is not None:
