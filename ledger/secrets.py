@@ -435,6 +435,9 @@ def _fold(text: str) -> str:
     return folded
 
 
+_MAY_HOLD_SHORT: Final = re.compile(r"[\s:=]")
+
+
 def find_secret_in_text(text: str) -> str | None:
     """Return the kind of secret that ``text`` appears to contain, or None.
 
@@ -443,7 +446,9 @@ def find_secret_in_text(text: str) -> str | None:
     wins. Full-width characters are folded (NFKC) before matching, so
     "４１１１ …" and "密码：x" are seen like their ASCII forms.
     """
-    if not text:
+    if not text or (len(text) < 13 and text.isascii() and _MAY_HOLD_SHORT.search(text) is None):
+        # Every rule needs 13+ characters, or a separator (space, ":", "=") between a
+        # word and a value, or non-ASCII text: short plain identifiers are skipped fast.
         return None
     folded = _fold(text)
     kind = _key_or_token_kind(folded)

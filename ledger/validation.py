@@ -207,43 +207,77 @@ def _check_json(obj: object) -> None:
     stack: list[tuple[object, tuple[str, ...]]] = [(obj, ())]
     while stack:
         v, path = stack.pop()
-        if isinstance(v, str):
-            _check_string(v, path, "a string")
-        elif isinstance(v, dict):
+        kind = type(v)
+        if kind not in _JSON_TYPES:  # a subclass (an IntEnum, an OrderedDict, a tuple)
+            kind = next((c for c in _JSON_TYPES if isinstance(v, c)), kind)
+        if kind is str:
+            _check_string(v, path, "a string")  # type: ignore[arg-type]
+        elif kind is dict:
             if len(path) >= MAX_DEPTH:
                 raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
-            for k, child in v.items():
-                if not isinstance(k, str):
+            for k, child in v.items():  # type: ignore[attr-defined]
+                if type(k) is not str:
                     raise _fail(_field_path(path), "object keys must be strings")
                 _check_string(k, path, "an object key")
                 stack.append((child, (*path, k)))
-        elif isinstance(v, list):
+        elif kind is list or kind is tuple:
             if len(path) >= MAX_DEPTH:
                 raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
-            stack.extend((child, (*path, "[]")) for child in v)
-        elif isinstance(v, bool) or v is None:
+            stack.extend((child, (*path, "[]")) for child in v)  # type: ignore[attr-defined]
+        elif kind is bool or v is None:
             continue
-        elif isinstance(v, int):
-            if not MIN_INT <= v <= MAX_INT:
+        elif kind is int:
+            if not MIN_INT <= v <= MAX_INT:  # type: ignore[operator]
                 raise _fail(_field_path(path), "integers must be within -2**63..2**63-1; "
                             "send a larger number as a string")
-        elif isinstance(v, float):
+        elif kind is float:
             if v != v or v in (float("inf"), float("-inf")):
                 raise _fail(_field_path(path), "numbers must be finite")
         else:
-            raise _fail(_field_path(path), f"{type(v).__name__} is not a JSON value")
+            raise _fail(_field_path(path), f"{kind.__name__} is not a JSON value")
 
 
 def _check_string(v: str, path: tuple[str, ...], what: str) -> None:
     if "\x00" in v:
         raise _fail(_field_path(path), f"{what} contains NUL (\\u0000), which no backend "
                     "stores; remove it")
-    if _SURROGATE.search(v):
+    if not v.isascii() and _SURROGATE.search(v):
         raise _fail(_field_path(path), f"{what} contains a lone UTF-16 surrogate, which is "
                     "not valid Unicode text")
 
 
+_JSON_TYPES: Final = (bool, str, dict, list, tuple, int, float)
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+#: Values from the contract's fixed lists (types, kinds, layers): never a secret.
+_VOCABULARY: Final = frozenset((*EVENT_TYPES, *SOURCE_KINDS, *LAYERS, *NOTE_KINDS))
+
+
+def _scan_secrets(obj: dict[str, Any]) -> None:
+    """Scan every string and number of an event for secrets (R23), envelope, source and
+    data alike, before any rule that might repeat a value in its message: identifiers
+    survive a forget, so a card number in a `task_key` would stay on disk.
+
+    A known field's name is not scanned (it is the contract's), an unknown one is.
+    """
+    for k, v in obj.items():
+        if k in ("source", "data") and isinstance(v, dict):
+            for k2, v2 in v.items():
+                _scan_member(k2, v2, k)
+        else:
+            _scan_member(k, v, "")
+
+
+def _scan_member(key: str, value: Any, where: str) -> None:
+    if key not in _KNOWN_NAMES:
+        _no_secrets({key: value}, where)
+    elif not (isinstance(value, str) and (
+            value in _VOCABULARY or (key in _TIMESTAMP_KEYS and _RFC3339_SHAPE.match(value)))):
+        _no_secrets(value, f"{where}.{key}" if where else key)
+
+
+_TIMESTAMP_KEYS: Final = frozenset({"at", "expires_at", "retain_until"})
 
 
 def parse_event(obj: object) -> Event:
@@ -251,9 +285,7 @@ def parse_event(obj: object) -> Event:
     if not isinstance(obj, dict):
         raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
     _check_json(obj)
-    # Every string (and number) of the event, envelope and keys included, before any
-    # rule that might repeat a value in its message (R23): identifiers survive a forget.
-    _no_secrets(obj, "")
+    _scan_secrets(obj)
     _check_keys(obj, _ENVELOPE_KEYS, "")
     etype = obj.get("type")
     if etype not in EVENT_TYPES:
@@ -347,7 +379,8 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         "memory_id": memory_id or derive_memory_id(tenant, idem),
         "text": text if text is not None else _default_text(key, value),
     }
-    kind = find_secret_in_text(out["text"]) if text is None else None
+    scalar = isinstance(value, str | int | float) and not isinstance(value, bool)
+    kind = find_secret_in_text(out["text"]) if text is None and scalar else None
     if kind is not None:
         # Key and value read together, as the default text shows them: {"key": "pw",
         # "value": "Hunter2!"} is "pw: Hunter2!".
