@@ -185,9 +185,9 @@ class ForgetRegister:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        # The last scan and the (inode, size) it was taken at: appends by this process
+        # The last scan and the (inode, size, mtime) it was taken at: appends by this process
         # then need no re-read; a change by another process (or a repair) re-reads.
-        self._cache: tuple[tuple[int, int], Scan] | None = None
+        self._cache: tuple[tuple[int, int, int], Scan] | None = None
 
     def exists(self) -> bool:
         """True when the register file is there."""
@@ -208,7 +208,8 @@ class ForgetRegister:
             st = os.stat(self.path)
         except FileNotFoundError:
             return Scan(self.path)
-        if self._cache is not None and self._cache[0] == (st.st_ino, st.st_size):
+        if self._cache is not None and self._cache[0] == (st.st_ino, st.st_size,
+                                                          st.st_mtime_ns):
             return self._cache[1]
         return self.scan()
 
@@ -285,7 +286,7 @@ class ForgetRegister:
         s.exists, s.ledger = True, ledger
         s.format = "legacy" if s.format == "legacy" else "v2"
         s.size = s.good_end = st.st_size
-        self._cache = ((st.st_ino, st.st_size), s)
+        self._cache = ((st.st_ino, st.st_size, st.st_mtime_ns), s)
 
     def _truncate(self, size: int) -> None:
         fd = os.open(self.path, os.O_WRONLY)
