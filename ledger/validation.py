@@ -40,10 +40,10 @@ MAX_ID_CHARS: Final = 256
 MAX_NS_PART_CHARS: Final = 128
 MAX_REFS: Final = 32
 MAX_SEQ: Final = (1 << 63) - 1
-#: Integers anywhere in an event must fit a signed 64-bit integer: orjson reads larger
-#: ones as floats (silently rounded), and neither database's JSON keeps them exactly.
+#: Integers anywhere in an event must lie in -2**63..2**64-1, what orjson reads and
+#: writes exactly: it reads larger ones as floats (silently rounded).
 MIN_INT: Final = -(1 << 63)
-MAX_INT: Final = (1 << 63) - 1
+MAX_INT: Final = (1 << 64) - 1
 #: Nesting depth of a whole event (orjson cannot encode deeper than 254 levels).
 MAX_DEPTH: Final = 64
 _RFC3339_SHAPE: Final = re.compile(
@@ -228,7 +228,7 @@ def _check_json(obj: object) -> None:
             continue
         elif kind is int:
             if not MIN_INT <= v <= MAX_INT:  # type: ignore[operator]
-                raise _fail(_field_path(path), "integers must be within -2**63..2**63-1; "
+                raise _fail(_field_path(path), "integers must be within -2**63..2**64-1; "
                             "send a larger number as a string")
         elif kind is float:
             if v != v or v in (float("inf"), float("-inf")):
@@ -557,7 +557,8 @@ _PARSERS = {
 #: Where a member's key ends, or (inside strings only) a `"` then `:`. Its count bounds
 #: the number of keys in the text from above.
 _KEY_END: Final = re.compile(rb'"[ \t\r\n]*:')
-#: A run of digits too long for a 64-bit integer (orjson would read it as a float).
+#: A run of digits that may be too long for a 64-bit integer (orjson would read it as
+#: a float).
 _LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
 
 

@@ -136,16 +136,16 @@ def test_duplicate_keys_are_refused_at_any_depth() -> None:
         'he said ": yes'
 
 
-@pytest.mark.parametrize("number", [2**63, 2**64, 2**64 + 1, 10**30, -(2**63) - 1])
+@pytest.mark.parametrize("number", [2**64, 2**64 + 1, 10**30, -(2**63) - 1])
 def test_integers_beyond_64_bits_are_refused(number: int) -> None:
-    """Finding 4: integers outside -2**63..2**63-1 are refused, as text (orjson would read
+    """Finding 4: integers outside -2**63..2**64-1 are refused, as text (orjson would read
     2**64 as a rounded float) and as Python values, never stored changed."""
     line = orjson.dumps(write("k", 1)).replace(b'"value":1', f'"value":{number}'.encode())
     assert "integers must be within" in str(reject_line(line))
     assert "integers must be within" in str(reject(write("k", number)))
 
 
-@pytest.mark.parametrize("number", [2**63 - 1, -(2**63), 1234567890123456789])
+@pytest.mark.parametrize("number", [2**64 - 1, 2**63, -(2**63), 1234567890123456789])
 def test_integers_within_64_bits_are_kept_exactly(number: int) -> None:
     """Finding 4: the largest and smallest 64-bit integers round-trip exactly."""
     line = orjson.dumps(write("k", number))
