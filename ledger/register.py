@@ -349,6 +349,19 @@ class ForgetRegister:
         return {"kept": len(keep), "damaged_lines": len(s.damage), "torn_tail": s.torn,
                 "set_aside": str(aside) if aside is not None else None}
 
+    def unclaim(self) -> bool:
+        """Rewrite an intact format-2 register as naming no ledger (restoring a backup of
+        an empty ledger: its first event will be the first forget reapplied, a new ledger
+        id); the next append names the ledger again. True when it was rewritten."""
+        s = self.scan()
+        if s.format != "v2" or s.ledger is None or s.damage or s.torn:
+            return False
+        try:
+            self._rewrite(s.entries, None)
+        except OSError as e:
+            raise RegisterError(f"cannot rewrite forget register {self.path}: {e}") from e
+        return True
+
     def upgrade(self, ledger: str | None) -> bool:
         """Rewrite a legacy register in format 2 now; True when it was legacy."""
         s = self.scan()

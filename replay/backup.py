@@ -384,6 +384,8 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
                 "see docs/forgetting.md)")
         if problems:
             repaired = store.register.repair(ledger)
+        if ledger is None:
+            store.register.unclaim()  # a backup of an empty ledger: no first event yet
     register_events(store)  # a damaged register stops the restore before any change
     total = sum(x["count"] for x in header["tables"])
     bar = Progress("restore", total, unit="rows", enabled=progress)

@@ -207,3 +207,24 @@ async def test_legacy_register_is_read_reported_and_upgraded(store: Store,
     assert scan.format == "v2" and scan.damage == []
     assert [e["event"]["idempotency_key"] for e in scan.entries] == ["s10", "s12", "f-after"]
     assert (await verify_forgotten(store))["ok"]
+
+
+async def test_restoring_a_backup_of_an_empty_ledger_keeps_the_register_usable(
+        db_url: str, tmp_path: Path) -> None:
+    """A backup taken before the first event names no ledger: restoring it reapplies the
+    register and the register then names the restored ledger, so later forgets are
+    recorded (not refused as "another ledger")."""
+    reg = str(tmp_path / "l.forgets")
+    store = Store(db_url, register_path=reg)
+    try:
+        await store.open()
+        await backup(store, tmp_path / "empty.backup", progress=False)
+        await load(store)
+        res = await restore(store, tmp_path / "empty.backup", force=True, progress=False)
+        assert len(res["reapplied"]["appended"]) == 3
+        await load(store, [write("x", "y", idem="w-x", source=src(at=at(20))),
+                           _forget("f-x", 21, key="x")])
+        assert len(list(store.register.entries())) == 4
+        assert (await verify_forgotten(store))["ok"]
+    finally:
+        await store.close()
