@@ -44,7 +44,7 @@ from ledger.forgets import (
     tombstone_of,
     tombstone_row,
 )
-from ledger.recorder import pairs_in
+from ledger.recorder import ledger_id, pairs_in
 from ledger.records import AppendResult, now_iso
 
 if TYPE_CHECKING:
@@ -196,7 +196,10 @@ class Appender:
         if self.rows:
             # Register first: if the commit then fails, reapplying a forget that was asked
             # for is harmless; a committed forget missing from the register is not.
-            self.store.register.append(self.register)
+            if self.register:
+                first = self.rows[0] if self.rows[0]["position"] == 1 else None
+                self.store.register.append(self.register, ledger=(
+                    first["chain"] if first is not None else await ledger_id(self.conn)))
             await self.recorder.insert_events(self.conn, self.rows)
             if self.tomb_rows:
                 await self.recorder.insert_tombstones(self.conn, self.tomb_rows)

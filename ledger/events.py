@@ -58,15 +58,33 @@ _RFC3339 = re.compile(
 )
 
 
+#: The range of UTC times every timestamp field may take (what Python's datetime, the
+#: views' microsecond columns and both databases all hold).
+MIN_TIMESTAMP: Final = "0001-01-01T00:00:00Z"
+MAX_TIMESTAMP: Final = "9999-12-31T23:59:59.999999Z"
+
+
 def parse_rfc3339(text: str) -> datetime:
-    """Parse an RFC 3339 timestamp that carries an offset; raise ValueError otherwise."""
+    """Parse an RFC 3339 timestamp that carries an offset; raise ValueError otherwise.
+
+    A timestamp whose UTC value falls outside `MIN_TIMESTAMP`..`MAX_TIMESTAMP` (e.g.
+    `9999-12-31T23:59:59-23:59`) is a ValueError too.
+    """
     m = _RFC3339.match(text)
     if m is None:
         raise ValueError("not an RFC 3339 timestamp with offset")
     date, time, frac, off = m.groups()
     frac = (frac or "")[:7]  # datetime keeps microseconds: drop the rest
     off = "+00:00" if off in ("Z", "z") else off
-    return datetime.fromisoformat(f"{date}T{time}{frac}{off}")
+    moment = datetime.fromisoformat(f"{date}T{time}{frac}{off}")
+    # The views convert to UTC (microseconds since the epoch); a local time near either
+    # end of year 1..9999 can fall outside what datetime (and so every view) holds.
+    try:
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"is outside {MIN_TIMESTAMP}..{MAX_TIMESTAMP} once converted "
+                         "to UTC") from None
+    return moment
 
 
 def to_us(moment: datetime) -> int:

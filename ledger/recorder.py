@@ -264,3 +264,14 @@ def is_transient(e: DBAPIError) -> bool:
     """Could the same statement succeed if tried again (a lock, a lost connection)?"""
     return bool(e.connection_invalidated) or "lock" in str(e).lower() or \
         "could not serialize" in str(e).lower()
+
+
+async def ledger_id(conn: AsyncConnection) -> str | None:
+    """The ledger's identity: the hash-chain link of its first event (None while empty).
+
+    It never changes (events are never removed, erasure keeps the envelope) and travels
+    with every backup, so the forget register can name the ledger it belongs to.
+    """
+    row = (await conn.execute(
+        select(t.events.c.chain).where(t.events.c.position == 1))).first()
+    return str(row[0]) if row is not None else None

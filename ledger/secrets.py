@@ -130,8 +130,23 @@ _DIGIT_RUN: Final = re.compile(r"(?<![0-9A-Za-z_+./-])[0-9]++(?:[ -][0-9]++)*+")
 _RUN_END_BLOCKER: Final = re.compile(r"[0-9A-Za-z]|[.,/][0-9]")
 
 
+# A card written with one other separator throughout: "4111.1111.1111.1111",
+# "4111_1111_1111_1111", "4111/1111/1111/1111", "4111,1111,1111,1111". The same
+# separator between every group (and the card layout below) keeps dates, decimals,
+# fractions and lists of small numbers out.
+_OTHER_SEP_RUN: Final = re.compile(
+    r"(?<![0-9A-Za-z_+./,-])[0-9]{4}([._/,])[0-9]{3,6}(?:\1[0-9]{3,6}){1,3}"
+    r"(?![0-9A-Za-z]|[._/,][0-9])"
+)
+
+
 def _has_card_number(text: str) -> bool:
     """Return True when ``text`` holds a Luhn-valid card number in a card layout."""
+    for match in _OTHER_SEP_RUN.finditer(text):
+        groups = match.group(0).split(match.group(1))
+        if (all(3 <= len(g) <= 6 for g in groups[1:]) and all(len(g) >= 4 for g in groups[1:-1])
+                and _card_number_ok("".join(groups))):
+            return True
     for match in _DIGIT_RUN.finditer(text):
         if _RUN_END_BLOCKER.match(text, match.end()):
             continue
@@ -190,10 +205,10 @@ _SEP_OPT: Final = r"\s*(?:(?:is|was)(?![A-Za-z0-9])\s*[:=]?|[:=]|[是为][:：]?
 _KEYWORD_SECRETS: Final[tuple[tuple[re.Pattern[str], str], ...]] = (
     (
         re.compile(
-            r"(?<![A-Za-z0-9])(?:api[ _-]?(?:key|secret)|secret[ _-]?key|client[ _-]?secret"
-            r"|access[ _-]?key(?:[ _-]?id)?|secret)(?![A-Za-z0-9])"
+            r"(?<![A-Za-z0-9])(?:api[ _-]?(?:key|secret)|secret[ _-]?(?:access[ _-]?)?key"
+            r"|client[ _-]?secret|access[ _-]?key(?:[ _-]?id)?|secret)(?![A-Za-z0-9])"
             + _SEP_EN
-            + r"[\"']?([A-Za-z0-9_-]{16,})",
+            + r"[\"']?([A-Za-z0-9_/+=-]{16,})",
             re.IGNORECASE,
         ),
         "api_key",
@@ -288,10 +303,24 @@ _ORDINARY_CODES: Final = frozenset(
 )  # fmt: skip
 
 
+# The code first, as text messages put it: "482193 is your login code", "G-482193 is
+# your Google verification code", "Your code: ..." is above. The word before "code"
+# must not name an ordinary code ("482193 is your booking code").
+_CODE_FIRST: Final = re.compile(
+    r"(?<![0-9A-Za-z-])(?:[A-Z]{1,3}-)?[0-9]{4,8}(?![0-9])\s+is\s+your\s+"
+    r"(?P<words>(?:[A-Za-z]+[\s-]+){0,3}?)(?:code|passcode|pin|otp|password)(?![A-Za-z0-9])",
+    re.IGNORECASE,
+)
+
+
 def _has_one_time_code(text: str) -> bool:
     """Return True when ``text`` announces a one-time or verification code."""
     if any(pattern.search(text) for pattern in _OTP_PATTERNS):
         return True
+    for match in _CODE_FIRST.finditer(text):
+        words = match.group("words").split()
+        if not words or words[-1].strip("-").lower() not in _ORDINARY_CODES:
+            return True
     for match in _GENERIC_CODE.finditer(text):
         before = _WORD_BEFORE.search(text, max(0, match.start() - 40), match.start())
         if before is None or before.group(1).lower() not in _ORDINARY_CODES:
@@ -302,7 +331,7 @@ def _has_one_time_code(text: str) -> bool:
 # --------------------------------------------------------------------------- passwords
 
 _PASSWORD_EN: Final = re.compile(
-    r"(?<![A-Za-z0-9])(?P<kw>pass(?:word|wd|code|phrase)|pwd|pin)(?![A-Za-z0-9])"
+    r"(?<![A-Za-z0-9])(?P<kw>pass(?:word|wd|code|phrase)|pwd|pw|pin)(?![A-Za-z0-9])"
     r"(?:(?P<is>\s*(?:is|was)(?![A-Za-z0-9])\s*[:=]?\s*)|(?P<sep>\s*[:=]\s*)|(?P<ws>\s+))"
     r"(?P<tok>\S{1,256})",
     re.IGNORECASE,
@@ -366,6 +395,8 @@ def _has_password(text: str) -> bool:
         keyword = match.group("kw").lower()
         if keyword == "pin" and form == "ws":
             continue  # "pin 1234" is too often a list or a reference number
+        if keyword == "pw" and form == "ws":
+            continue  # a bare "pw" is too short a word to trust without ":" or "is"
         if _password_token_ok(match.group("tok"), form, keyword):
             return True
     return any(
@@ -377,6 +408,36 @@ def _has_password(text: str) -> bool:
 # --------------------------------------------------------------------------- text
 
 
+# Decimal digits of other scripts (NFKC leaves them as they are): Arabic-Indic,
+# Extended Arabic-Indic, NKo, Devanagari and the other Indic scripts, Thai, Lao,
+# Tibetan, Myanmar, Khmer, Mongolian. Each block holds 0..9 in order.
+_DIGIT_BLOCKS: Final = (
+    0x0660, 0x06F0, 0x07C0, 0x0966, 0x09E6, 0x0A66, 0x0AE6, 0x0B66, 0x0BE6, 0x0C66,
+    0x0CE6, 0x0D66, 0x0DE6, 0x0E50, 0x0ED0, 0x0F20, 0x1040, 0x1090, 0x17E0, 0x1810,
+)  # fmt: skip
+_FOLD: Final[dict[int, str | None]] = {
+    **{start + d: str(d) for start in _DIGIT_BLOCKS for d in range(10)},
+    # Invisible characters that split a number without showing: zero-width space,
+    # non-joiner, joiner, word joiner, BOM, soft hyphen.
+    **dict.fromkeys((0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF, 0x00AD), None),
+}
+_SPACES_BETWEEN_DIGITS: Final = re.compile(r"(?<=[0-9])[ \t]{2,}(?=[0-9])")
+
+
+def _fold(text: str) -> str:
+    """NFKC, other scripts' digits as ASCII, invisible characters dropped, and runs of
+    spaces between digits made one: what a reader sees, in the form the rules match."""
+    folded = unicodedata.normalize("NFKC", text)
+    if not folded.isascii():
+        folded = folded.translate(_FOLD)
+    if "  " in folded or "\t" in folded:
+        folded = _SPACES_BETWEEN_DIGITS.sub(" ", folded)
+    return folded
+
+
+_MAY_HOLD_SHORT: Final = re.compile(r"[\s:=]")
+
+
 def find_secret_in_text(text: str) -> str | None:
     """Return the kind of secret that ``text`` appears to contain, or None.
 
@@ -385,9 +446,11 @@ def find_secret_in_text(text: str) -> str | None:
     wins. Full-width characters are folded (NFKC) before matching, so
     "４１１１ …" and "密码：x" are seen like their ASCII forms.
     """
-    if not text:
+    if not text or (len(text) < 13 and text.isascii() and _MAY_HOLD_SHORT.search(text) is None):
+        # Every rule needs 13+ characters, or a separator (space, ":", "=") between a
+        # word and a value, or non-ASCII text: short plain identifiers are skipped fast.
         return None
-    folded = unicodedata.normalize("NFKC", text)
+    folded = _fold(text)
     kind = _key_or_token_kind(folded)
     if kind is not None:
         return kind
@@ -395,9 +458,15 @@ def find_secret_in_text(text: str) -> str | None:
         return "payment_card"
     if _has_one_time_code(folded):
         return "one_time_code"
-    if _has_password(folded):
+    if _has_password(folded) or _URL_CREDENTIALS.search(folded):
         return "password"
     return None
+
+
+# "postgres://admin:S3cret@host", "https://user:pw@example.com/": a password inside a URL.
+_URL_CREDENTIALS: Final = re.compile(
+    r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:(?P<pw>[^\s/@*]+)@[^\s@]"
+)
 
 
 # --------------------------------------------------------------------------- JSON values
@@ -435,11 +504,29 @@ _SIMPLE_KEY: Final = re.compile(r"[^\s.\[\]\"']+")
 _REDACTED_KEY: Final = "<redacted>"
 
 
+#: A key whose last word is one of these names a secret: "user_pass", "db_password",
+#: "smtpPw", "session_token", "login_pin". Only the last word counts, so "pin_note",
+#: "token_count" and "password_policy" describe a secret without holding one.
+_SECRET_LAST_WORDS: Final[dict[str, str]] = {
+    **dict.fromkeys(("pass", "password", "passwd", "pwd", "pw", "passcode", "passphrase",
+                     "pin"), "password"),
+    **dict.fromkeys(("secret", "apikey"), "api_key"),
+    **dict.fromkeys(("token",), "token"),
+    **dict.fromkeys(("otp", "totp"), "one_time_code"),
+    **dict.fromkeys(("cvv", "cvc"), "payment_card"),
+}  # fmt: skip
+
+
 def _secret_key_kind(key: str) -> str | None:
     """Return the kind of secret a dict key names, ignoring case and separators."""
     camel_split = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key)
-    compact = re.sub(r"[\s_-]+", "", unicodedata.normalize("NFKC", camel_split)).lower()
-    return _SECRET_KEYS.get(compact)
+    normal = unicodedata.normalize("NFKC", camel_split)
+    compact = re.sub(r"[\s_-]+", "", normal).lower()
+    kind = _SECRET_KEYS.get(compact)
+    if kind is None:
+        words = re.split(r"[\s_.:-]+", normal.strip(" _.:-").lower())
+        kind = _SECRET_LAST_WORDS.get(words[-1]) if len(words) > 1 else None
+    return kind
 
 
 def _scalar_kind(value: object) -> str | None:

@@ -7,6 +7,7 @@ are reported by kind and place, never echoed (R23).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Final
 
@@ -28,7 +29,7 @@ from ledger.events import (
     parse_rfc3339,
     to_us,
 )
-from ledger.secrets import find_secrets
+from ledger.secrets import SecretFinding, find_secret_in_text, find_secrets
 
 #: Derived memory ids (`derive_memory_id`) have this form and no explicit id may take it,
 #: so a derived id is unique exactly when its idempotency key is.
@@ -39,6 +40,14 @@ MAX_ID_CHARS: Final = 256
 MAX_NS_PART_CHARS: Final = 128
 MAX_REFS: Final = 32
 MAX_SEQ: Final = (1 << 63) - 1
+#: Integers anywhere in an event must lie in -2**63..2**64-1, what orjson reads and
+#: writes exactly: it reads larger ones as floats (silently rounded).
+MIN_INT: Final = -(1 << 63)
+MAX_INT: Final = (1 << 64) - 1
+#: Nesting depth of a whole event (orjson cannot encode deeper than 254 levels).
+MAX_DEPTH: Final = 64
+_RFC3339_SHAPE: Final = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$")
 
 _ENVELOPE_KEYS: Final = frozenset(
     {"type", "idempotency_key", "tenant", "actor", "source", "data", "expected_version"}
@@ -117,13 +126,15 @@ def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> 
     v = obj[key]
     if not isinstance(v, str):
         raise _fail(field, "must be an RFC 3339 timestamp string with offset")
-    try:
-        parse_rfc3339(v)
-    except ValueError:
+    if not _RFC3339_SHAPE.match(v):
         raise _fail(
             field, f"{v[:40]!r} is not an RFC 3339 timestamp with offset "
             "(e.g. 2026-09-20T10:00:00+08:00)"
-        ) from None
+        )
+    try:
+        parse_rfc3339(v)
+    except ValueError as e:
+        raise _fail(field, f"{v[:40]!r} is not a valid timestamp: {e}") from None
     return v
 
 
@@ -169,10 +180,112 @@ def _owner_check(kind: str, actor: str, ns: list[str], field: str) -> None:
         )
 
 
+#: Field names that a message may repeat (any other key could hold anything, a secret
+#: included, so it is never echoed).
+_KNOWN_NAMES: Final = frozenset().union(_ENVELOPE_KEYS, _SOURCE_KEYS, *_DATA_KEYS.values())
+
+
+def _field_path(path: tuple[str, ...]) -> str:
+    """A message's name for a place in an event: known field names, at most two deep."""
+    out = ""
+    for depth, part in enumerate(path[:2]):
+        name = part if part in _KNOWN_NAMES else "<field>"
+        out = f"{out}.{name}" if depth else name
+        if name == "<field>":
+            break
+    return out
+
+
+def _check_json(obj: object) -> None:
+    """Refuse what no backend stores as given (R20): NUL and lone surrogates in any string
+    (object keys included), integers outside 64 bits, non-finite floats, non-JSON types
+    and nesting deeper than `MAX_DEPTH`.
+
+    PostgreSQL text cannot hold NUL and SQLite's `->>` stops at it, so NUL is refused on
+    both backends alike rather than stored on one and cut on the other.
+    """
+    stack: list[tuple[object, tuple[str, ...]]] = [(obj, ())]
+    while stack:
+        v, path = stack.pop()
+        kind = type(v)
+        if kind not in _JSON_TYPES:  # a subclass (an IntEnum, an OrderedDict, a tuple)
+            kind = next((c for c in _JSON_TYPES if isinstance(v, c)), kind)
+        if kind is str:
+            _check_string(v, path, "a string")  # type: ignore[arg-type]
+        elif kind is dict:
+            if len(path) >= MAX_DEPTH:
+                raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
+            for k, child in v.items():  # type: ignore[attr-defined]
+                if type(k) is not str:
+                    raise _fail(_field_path(path), "object keys must be strings")
+                _check_string(k, path, "an object key")
+                stack.append((child, (*path, k)))
+        elif kind is list or kind is tuple:
+            if len(path) >= MAX_DEPTH:
+                raise _fail(_field_path(path), f"nests deeper than {MAX_DEPTH} levels")
+            stack.extend((child, (*path, "[]")) for child in v)  # type: ignore[attr-defined]
+        elif kind is bool or v is None:
+            continue
+        elif kind is int:
+            if not MIN_INT <= v <= MAX_INT:  # type: ignore[operator]
+                raise _fail(_field_path(path), "integers must be within -2**63..2**64-1; "
+                            "send a larger number as a string")
+        elif kind is float:
+            if v != v or v in (float("inf"), float("-inf")):
+                raise _fail(_field_path(path), "numbers must be finite")
+        else:
+            raise _fail(_field_path(path), f"{kind.__name__} is not a JSON value")
+
+
+def _check_string(v: str, path: tuple[str, ...], what: str) -> None:
+    if "\x00" in v:
+        raise _fail(_field_path(path), f"{what} contains NUL (\\u0000), which no backend "
+                    "stores; remove it")
+    if not v.isascii() and _SURROGATE.search(v):
+        raise _fail(_field_path(path), f"{what} contains a lone UTF-16 surrogate, which is "
+                    "not valid Unicode text")
+
+
+_JSON_TYPES: Final = (bool, str, dict, list, tuple, int, float)
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+#: Values from the contract's fixed lists (types, kinds, layers): never a secret.
+_VOCABULARY: Final = frozenset((*EVENT_TYPES, *SOURCE_KINDS, *LAYERS, *NOTE_KINDS))
+
+
+def _scan_secrets(obj: dict[str, Any]) -> None:
+    """Scan every string and number of an event for secrets (R23), envelope, source and
+    data alike, before any rule that might repeat a value in its message: identifiers
+    survive a forget, so a card number in a `task_key` would stay on disk.
+
+    A known field's name is not scanned (it is the contract's), an unknown one is.
+    """
+    for k, v in obj.items():
+        if k in ("source", "data") and isinstance(v, dict):
+            for k2, v2 in v.items():
+                _scan_member(k2, v2, k)
+        else:
+            _scan_member(k, v, "")
+
+
+def _scan_member(key: str, value: Any, where: str) -> None:
+    if key not in _KNOWN_NAMES:
+        _no_secrets({key: value}, where)
+    elif not (isinstance(value, str) and (
+            value in _VOCABULARY or (key in _TIMESTAMP_KEYS and _RFC3339_SHAPE.match(value)))):
+        _no_secrets(value, f"{where}.{key}" if where else key)
+
+
+_TIMESTAMP_KEYS: Final = frozenset({"at", "expires_at", "retain_until"})
+
+
 def parse_event(obj: object) -> Event:
     """Validate a decoded wire object and return the normalised `Event`."""
     if not isinstance(obj, dict):
         raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
+    _check_json(obj)
+    _scan_secrets(obj)
     _check_keys(obj, _ENVELOPE_KEYS, "")
     etype = obj.get("type")
     if etype not in EVENT_TYPES:
@@ -185,7 +298,8 @@ def parse_event(obj: object) -> Event:
         raise _fail("tenant", "must not contain '/'")
     expected = obj.get("expected_version")
     if expected is not None and (
-        isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+        isinstance(expected, bool) or not isinstance(expected, int)
+        or not 0 <= expected <= MAX_SEQ
     ):
         raise _fail("expected_version", "must be an integer >= 0")
     source = _parse_source(obj.get("source"))
@@ -257,10 +371,6 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
     supersedes = _identifier(d, "supersedes", "data", required=corrected)
     expires_at = _timestamp(d, "expires_at", "data", required=False)
     text = _text(d, "text", "data", required=False)
-    _no_secrets(value, "data.value")
-    if text is not None:
-        _no_secrets(text, "data.text")
-    _no_secrets(key, "data.key")
     out: dict[str, Any] = {
         "namespace": ns,
         "key": key,
@@ -269,6 +379,12 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         "memory_id": memory_id or derive_memory_id(tenant, idem),
         "text": text if text is not None else _default_text(key, value),
     }
+    scalar = isinstance(value, str | int | float) and not isinstance(value, bool)
+    kind = find_secret_in_text(out["text"]) if text is None and scalar else None
+    if kind is not None:
+        # Key and value read together, as the default text shows them: {"key": "pw",
+        # "value": "Hunter2!"} is "pw: Hunter2!".
+        raise _fail("data.value", SecretFinding(kind, "data.key with data.value").describe())
     for name, v in (("task_key", task_key), ("session_id", session_id), ("scope", scope),
                     ("supersedes", supersedes), ("expires_at", expires_at)):
         if v is not None:
@@ -327,7 +443,6 @@ def _forgotten(d: dict[str, Any], tenant: str, actor: str, source: Source,
     out: dict[str, Any] = {}
     reason = _text(d, "reason", "data", required=False, max_chars=1024)
     if reason is not None:
-        _no_secrets(reason, "data.reason")
         out["reason"] = reason
     target = targets[0]
     if target == "memory_id":
@@ -361,7 +476,6 @@ def _refs(d: dict[str, Any]) -> dict[str, str] | None:
     for k, v in refs.items():
         if not isinstance(v, str) or len(v) > MAX_ID_CHARS or len(k) > MAX_ID_CHARS:
             raise _fail(f"data.refs.{k[:40]}", f"must be a string of at most {MAX_ID_CHARS} chars")
-    _no_secrets(refs, "data.refs")
     return dict(refs)
 
 
@@ -377,7 +491,6 @@ def _task_opened(d: dict[str, Any], tenant: str, actor: str, source: Source,
         out["refs"] = refs
     title = _text(d, "title", "data", required=False, max_chars=1024)
     if title is not None:
-        _no_secrets(title, "data.title")
         out["title"] = title
     return out
 
@@ -393,7 +506,6 @@ def _task_noted(d: dict[str, Any], tenant: str, actor: str, source: Source,
         raise _fail("data.kind", f"system_status notes need source kind system_of_record, "
                     f"got {source.kind}: only the system of record states task facts (R3)")
     text = _text(d, "text", "data", required=True)
-    _no_secrets(text, "data.text")
     out: dict[str, Any] = {"task_key": task_key, "kind": kind, "text": text}
     fields = d.get("fields")
     if fields is not None:
@@ -401,7 +513,6 @@ def _task_noted(d: dict[str, Any], tenant: str, actor: str, source: Source,
             raise _fail("data.fields", "must be an object")
         if len(encode_json(fields)) > MAX_VALUE_BYTES:
             raise _fail("data.fields", f"must be at most {MAX_VALUE_BYTES} bytes encoded")
-        _no_secrets(fields, "data.fields")
         out["fields"] = fields
     return out
 
@@ -412,7 +523,6 @@ def _task_closed(d: dict[str, Any], tenant: str, actor: str, source: Source,
     out: dict[str, Any] = {"task_key": _identifier(d, "task_key", "data")}
     resolution = _text(d, "resolution", "data", required=False, max_chars=1024)
     if resolution is not None:
-        _no_secrets(resolution, "data.resolution")
         out["resolution"] = resolution
     retain = _timestamp(d, "retain_until", "data", required=False)
     if retain is not None:
@@ -444,10 +554,69 @@ _PARSERS = {
 }
 
 
-def decode_event(line: bytes | str) -> Event:
-    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
+#: Where a member's key ends, or (inside strings only) a `"` then `:`. Its count bounds
+#: the number of keys in the text from above.
+_KEY_END: Final = re.compile(rb'"[ \t\r\n]*:')
+#: A run of digits that may be too long for a 64-bit integer (orjson would read it as
+#: a float).
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _members(obj: object) -> int:
+    """How many object members a decoded value holds, at every depth."""
+    n = 0
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            n += len(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return n
+
+
+def decode_json(line: bytes | str) -> Any:
+    """Decode one JSON text strictly: malformed JSON, a key repeated in one object, or an
+    integer beyond 64 bits is a `ValidationError` (orjson alone keeps the last of
+    repeated keys and reads big integers as rounded floats).
+
+    orjson decodes; the exact check (the standard library's parser) runs only when a
+    cheap count says a key may repeat or a digit run is long enough to overflow.
+    """
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as e:
         raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
-    return parse_event(obj)
+    raw = line if isinstance(line, bytes) else line.encode()
+    if len(_KEY_END.findall(raw)) == _members(obj) and not _LONG_DIGITS.search(raw):
+        return obj
+    try:
+        exact = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        name = repr(e.key) if e.key in _KNOWN_NAMES else "a key"
+        raise ValidationError("", f"duplicate key: {name} appears twice in one object; "
+                              "send each key once") from None
+    except (ValueError, RecursionError):
+        return obj  # orjson read it: its verdict stands (the checks below still run)
+    _check_json(exact)
+    return obj
+
+
+def decode_event(line: bytes | str) -> Event:
+    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
+    return parse_event(decode_json(line))

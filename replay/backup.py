@@ -45,11 +45,12 @@ from ledger.errors import BackupError
 from ledger.events import digest
 from ledger.forgets import tombstone_from_row
 from ledger.records import now_iso
+from ledger.register import DAMAGED_POLICIES
 from ledger.store import Store
 from projections.registry import default_projections
-from replay.errors import DatabaseNotEmpty, RegisterMissing
+from replay.errors import DatabaseNotEmpty, RegisterDamaged, RegisterMissing
 from replay.progress import Progress, ProgressCallback
-from replay.rebuild import rebuild, register_events
+from replay.rebuild import FORGET_TYPES, rebuild, register_events
 from replay.rows import binary_columns, by_tenant, covering, row_dict, stream_rows
 
 FORMAT: Final = "memledger-backup"
@@ -341,15 +342,47 @@ async def _clear(store: Store, conn: AsyncConnection) -> None:
     await store.recorder.delete_rows(conn, t.meta, t.meta.c.name != "schema_version")
 
 
+def _backup_forgets(reader: BackupReader) -> tuple[str | None, set[tuple[str, str]]]:
+    """Check the whole file; return its ledger id and the forgets the register must hold."""
+    ledger: str | None = None
+    forgets: set[tuple[str, str]] = set()
+    for table, batch in reader.rows():
+        if table is t.events:
+            for r in batch:
+                if r["position"] == 1:
+                    ledger = r["chain"]
+                if r["type"] in FORGET_TYPES and not r["suppressed"]:
+                    forgets.add((r["tenant"], r["idempotency_key"]))
+    return ledger, forgets
+
+
 async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = False,
-                  without_register: bool = False, progress: ProgressCallback | None = None
-                  ) -> dict[str, Any]:
-    """Check a backup, load it, reapply the forget register and rebuild the views."""
+                  without_register: bool = False, progress: ProgressCallback | None = None,
+                  register_damaged: str = "refuse") -> dict[str, Any]:
+    """Check a backup, load it, reapply the forget register and rebuild the views.
+
+    A register that is damaged, torn, empty, of another ledger or lacking a forget the
+    backup holds is refused (`register_damaged="refuse"`, nothing changes), unless
+    `register_damaged="repair"`: its intact entries are kept (the old file set aside as
+    `<name>.damaged`) and the restore goes on (docs/forgetting.md).
+    """
+    if register_damaged not in DAMAGED_POLICIES:
+        raise BackupError(f"register_damaged must be one of {', '.join(DAMAGED_POLICIES)}")
     reader = BackupReader(path)
-    header = reader.check()
+    ledger, forgets = _backup_forgets(reader)
+    header = reader.header
     await store.open()
     if not store.register.exists() and not without_register:
         raise RegisterMissing(store.register.path)
+    repaired = None
+    if store.register.exists():
+        problems = store.register.scan().problems(ledger=ledger, expected=forgets)
+        if problems and register_damaged == "refuse":
+            raise RegisterDamaged(problems[0])
+        if problems:
+            repaired = store.register.repair(ledger)
+        if ledger is None:
+            store.register.unclaim()  # a backup of an empty ledger: no first event yet
     register_events(store)  # a damaged register stops the restore before any change
     total = sum(x["count"] for x in header["tables"])
     bar = Progress("restore", total, unit="rows", report=progress)
@@ -377,7 +410,8 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
                          "created_at": header["created_at"],
                          "counts": {x["name"]: x["count"] for x in header["tables"]}},
             "reapplied": rebuilt["reapplied"], "head": rebuilt["head"],
-            "projections": rebuilt["projections"]}
+            "projections": rebuilt["projections"],
+            **({"register_repaired": repaired} if repaired is not None else {})}
 
 
 def _safe_url(url: str) -> str:

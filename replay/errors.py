@@ -40,3 +40,14 @@ class DatabaseNotEmpty(RestoreRefused):
         super().__init__(f"the database {url} is not empty",
                          "; restore into an empty one, or pass force=True to replace "
                          "its contents")
+
+
+class RegisterDamaged(RestoreRefused):
+    """The forget register is damaged, torn, empty, of another ledger or lacks a forget
+    the backup holds (docs/forgetting.md); nothing was changed."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"{problem}; nothing was changed",
+            ". Find an intact copy of the register, or pass register_damaged='repair' to "
+            "restore with its intact entries kept (see docs/forgetting.md)")

@@ -28,8 +28,10 @@ from ledger import schema as t
 from ledger.appender import record_unchecked
 from ledger.errors import IdempotencyConflict, RegisterError, ValidationError
 from ledger.events import Event
-from ledger.forgets import tombstone_from_row, tombstone_of, tombstone_row
-from ledger.records import now_iso
+from ledger.forgets import register_entry, tombstone_from_row, tombstone_of, tombstone_row
+from ledger.recorder import STORED_COLUMNS, ledger_id
+from ledger.records import StoredEvent, now_iso, stored_from_row
+from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.bulk import restore_shape
@@ -108,11 +110,44 @@ async def _record_forget(store: Store, ev: Event) -> int:
         return await record_unchecked(store, conn, ev)
 
 
+async def ledger_forgets(conn: AsyncConnection) -> list[StoredEvent]:
+    """Every forget and purge the ledger applied (not suppressed), in position order."""
+    e = t.events.c
+    rows = (await conn.execute(select(*STORED_COLUMNS).where(
+        e.type.in_(FORGET_TYPES), e.suppressed.is_(False)).order_by(e.position))).all()
+    return [stored_from_row(r) for r in rows]
+
+
+async def register_problems(conn: AsyncConnection, scan: Scan) -> list[str]:
+    """Why the register `scan` read cannot be trusted for the ledger behind `conn`:
+    missing while the ledger holds forgets, damaged, torn, empty, foreign, or lacking a
+    forget the ledger holds (sentences naming lines and counts, never content)."""
+    forgets = [(s.tenant, s.idempotency_key) for s in await ledger_forgets(conn)]
+    if not scan.exists:
+        return [f"forget register {scan.path} not found, but the ledger holds "
+                f"{len(forgets)} forget(s)"] if forgets else []
+    return scan.problems(ledger=await ledger_id(conn), expected=forgets)
+
+
+async def _complete_register(store: Store) -> int:
+    """Append to the register each forget the ledger holds and it lacks (a restore without
+    the register, a register repaired or replaced); returns how many."""
+    # The write lock keeps appends of other processes (and their register lines) out.
+    async with store.write() as conn:
+        have = store.register.scan().keys
+        lid = await ledger_id(conn)
+        lacking = [register_entry(s.event, s.position) for s in await ledger_forgets(conn)
+                   if s.event is not None and (s.tenant, s.idempotency_key) not in have]
+        store.register.append(lacking, ledger=lid)
+    return len(lacking)
+
+
 async def reapply_register(store: Store) -> dict[str, Any]:
     """Make the ledger hold every forget and purge of the register, and erase what they
     cover; returns what was done (keys and positions, never content)."""
     await store.open()
     events = register_events(store)
+    completed = await _complete_register(store)
     async with store.read() as conn:
         present = await _positions_of(conn, events)
     appended: list[dict[str, Any]] = []
@@ -156,6 +191,7 @@ async def reapply_register(store: Store) -> dict[str, Any]:
         await store.reclaim()
     return {"register": str(store.register.path), "register_exists": store.register.exists(),
             "entries": len(events), "already_in_ledger": len(events) - len(appended),
+            "added_to_register": completed,
             "appended": appended, "tombstones_inserted": inserted, "payloads_erased": erased,
             "conflicts": conflicts}
 

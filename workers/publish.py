@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
-import orjson
 import redis
 import structlog
 from dramatiq import Message
 
 from ledger.errors import BrokerUnavailable, ValidationError
 from ledger.events import Event
-from ledger.validation import parse_event
+from ledger.validation import decode_json, parse_event
 from workers.broker import (
     INGEST_ACTOR,
     INGEST_QUEUE,
@@ -75,13 +74,7 @@ def _wire(item: Event | dict[str, Any] | bytes | str) -> Any:
     """Validate one item; return what to send (the object as given, or the Event's wire)."""
     if isinstance(item, Event):
         return item.to_wire()
-    if isinstance(item, bytes | str):
-        try:
-            obj = orjson.loads(item)
-        except orjson.JSONDecodeError as e:
-            raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
-    else:
-        obj = item
+    obj = decode_json(item) if isinstance(item, bytes | str) else item
     parse_event(obj)
     return obj
 

@@ -19,7 +19,7 @@ import orjson
 from ledger.errors import MemledgerError, RegisterError, ValidationError
 from ledger.store import Store
 from memledger import MemoryLedger
-from replay.errors import DatabaseNotEmpty, RegisterMissing, RestoreRefused
+from replay.errors import DatabaseNotEmpty, RegisterDamaged, RegisterMissing, RestoreRefused
 from replay.progress import ProgressUpdate
 
 #: A subcommand: takes the parsed arguments, returns the exit code.
@@ -139,6 +139,9 @@ _REMEDIES: Mapping[type[RestoreRefused], str] = {
                      "restore without it",
     DatabaseNotEmpty: "; restore into an empty one, or pass --force to replace its "
                       "contents",
+    RegisterDamaged: ". Find an intact copy of the register, or pass --register-damaged "
+                     "repair to restore with its intact entries kept (see "
+                     "docs/forgetting.md)",
 }
 
 

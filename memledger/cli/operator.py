@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ledger.errors import ValidationError
+from ledger.register import DAMAGED_POLICIES
 from memledger.cli.common import Audience, error_message, handles, open_store, out, progress_of, say
 
 TITLE = "operator commands (whoever holds the database credentials)"
@@ -151,6 +152,7 @@ async def cmd_restore(args: argparse.Namespace) -> int:
     try:
         res = await restore(store, args.path, force=args.force,
                             without_register=args.without_register,
+                            register_damaged=args.register_damaged,
                             progress=progress_of(args))
         out(res)
     finally:
@@ -227,4 +229,8 @@ def add_commands(aud: Audience) -> None:
     rs.add_argument("--without-register", action="store_true",
                     help="go on even though the forget register is missing (forgets "
                          "recorded after the backup are then not reapplied)")
+    rs.add_argument("--register-damaged", choices=DAMAGED_POLICIES, default="refuse",
+                    help="what to do with a damaged, torn, empty or foreign forget register: "
+                         "refuse (default, nothing changes) or repair (keep its intact "
+                         "entries, set the old file aside as .damaged)")
     rs.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -16,11 +16,12 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.errors import RegisterError
 from ledger.forgets import Coordinates, Tombstone, covers, covers_sql, tombstone_from_row
 from ledger.store import Store
 from projections.erasure import dead_letter_covered
 from projections.runner import Runner
-from replay.rebuild import register_events
+from replay.rebuild import register_events, register_problems
 from replay.rows import by_tenant, covering, row_dict, stream_rows
 from replay.verify.report import MAX_PROBLEMS, Report
 
@@ -125,10 +126,20 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
     if catch_up:
         await Runner(store).catch_up()
     rep = Report(limit)
-    register = register_events(store)
     notes: list[str] = []
+    scan = store.register.scan()
+    try:
+        register = register_events(store)
+    except RegisterError:
+        register = []  # the damage is reported below, from the scan
     async with store.read() as conn:
         await store.recorder.keep_transaction_open(conn)
+        for problem in await register_problems(conn, scan):
+            rep.add("forgotten", place="forget_register", detail=problem)
+        if scan.format == "legacy":
+            notes.append(f"forget register {scan.path} is in the legacy format (no ledger "
+                         "id, sequence or chain): the next forget or `memledger replay "
+                         "rebuild` rewrites it in format 2")
         tombs = sorted((tombstone_from_row(r) for r in
                         (await conn.execute(select(t.tombstones))).all()),
                        key=lambda x: x.position)

@@ -227,7 +227,8 @@ async def test_sql_rows_equal_python_rows(values: list[object], text: str, layer
         await engine.dispose()
 
 
-_TRICKY = ["", "é中🙂", "a\x00b", "\x00", "tab\tquote\"back\\slash", "\u2028\x7f\x1f",
+# No NUL: validation refuses it on both backends (docs/events.md, "Limits").
+_TRICKY = ["", "é中🙂", "a\x01b", "\x1b", "tab\tquote\"back\\slash", "\u2028\x7f\x1f",
            "expires_at", '{"expires_at": 1}']
 
 
@@ -236,8 +237,8 @@ _TRICKY = ["", "é中🙂", "a\x00b", "\x00", "tab\tquote\"back\\slash", "\u2028
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 async def test_bulk_sql_path_equals_event_by_event(tmp_path: Path, seed: int, n: int,
                                                    size: int) -> None:
-    """Mostly one write per slot (the SQL path), with tricky content (NUL, escapes,
-    unicode, the word expires_at), expiries, every layer, sources with and without seq
+    """Mostly one write per slot (the SQL path), with tricky content (control characters,
+    escapes, unicode, the word expires_at), expiries, every layer, sources with and without seq
     and event id, corrections and forgets: a bulk rebuild equals projecting event by
     event (property)."""
     rng = random.Random(seed)
