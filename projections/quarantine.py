@@ -128,15 +128,18 @@ async def release(conn: AsyncConnection, projection: str, position: int) -> None
 
 async def entries(conn: AsyncConnection, projection: str | None = None, *,
                   positions: Sequence[int] | None = None,
-                  stale_only: bool = False) -> list[dict[str, Any]]:
-    """Quarantine entries (of a projection, at these positions, or recorded by another
-    code version), in position order."""
+                  stale_only: bool = False, limit: int | None = None
+                  ) -> list[dict[str, Any]]:
+    """Quarantine entries (of a projection, at these positions, recorded by another
+    code version; at most `limit`), in position order."""
     q = t.quarantine.c
     stmt = select(t.quarantine)
     if projection is not None:
         stmt = stmt.where(q.projection == projection)
     if stale_only:
         stmt = stmt.where(q.code_version != code_version())
+    if limit is not None:
+        stmt = stmt.order_by(q.position).limit(limit)
     out: list[dict[str, Any]] = []
     if positions is None:
         out = [dict(r._mapping) for r in (await conn.execute(stmt)).all()]

@@ -104,17 +104,19 @@ class Runner:
         self.batch_size = batch_size
         #: Retry, on a projection's first step, what another code version quarantined.
         self.retry_upgraded = retry_upgraded
-        self._checked: set[str] = set()
+        self._checked: set[str] = set()  # projections whose quarantine was looked at
+        self._stale: set[str] = set()  # ... and found to hold another version's entries
 
     async def step(self, proj: Projection, upto: int | None = None,
                    size: int | None = None) -> int:
         """Apply one batch of at most `size` positions (default: `batch_size`) to one
         projection; returns how many positions it moved."""
-        if self.retry_upgraded and proj.name not in self._checked:
-            self._checked.add(proj.name)
-            await self.retry_quarantined([proj.name], stale_only=True)
         with no_gc_pauses():
-            return await self._step(proj, upto, size or self.batch_size)
+            moved = await self._step(proj, upto, size or self.batch_size)
+        if proj.name in self._stale:
+            self._stale.discard(proj.name)
+            await self.retry_quarantined([proj.name], stale_only=True)
+        return moved
 
     async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
         cp = t.checkpoints.c
@@ -126,6 +128,10 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
+            if self.retry_upgraded and proj.name not in self._checked:
+                self._checked.add(proj.name)
+                if await quarantine.entries(conn, proj.name, stale_only=True, limit=1):
+                    self._stale.add(proj.name)  # retried once this transaction ends
             # Only at 0 can a bulk load be running. Its state is read in a statement of
             # its own, after the lock: on PostgreSQL a subquery of the locking SELECT
             # would see the snapshot from before the wait.
