@@ -149,8 +149,28 @@ recall_audit_items = Table(
     Index("ix_recall_audit_items_memory", "tenant", "memory_id"),
 )
 
+# An event one projection could not apply, skipped by that view only until it is retried
+# (`projections.runner`, docs/projections.md#quarantine). What failed is named by its
+# class and a short message with every quoted part cut out: never a memory's value.
+quarantine = Table(
+    "quarantine",
+    metadata,
+    Column("projection", String(64), nullable=False),
+    Column("position", BigInteger, nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("type", String(32), nullable=False),
+    Column("error", String(128), nullable=False),
+    Column("message", String(256), nullable=False),
+    Column("code_version", String(64), nullable=False),
+    Column("recorded_at", String(40), nullable=False),
+    Column("attempts", Integer, nullable=False, default=1),
+    Column("last_tried_at", String(40), nullable=False),
+    PrimaryKeyConstraint("projection", "position"),
+    Index("ix_quarantine_position", "position"),
+)
+
 LEDGER_TABLES: Final = (events, tombstones, task_owners, meta, checkpoints, dead_letters,
-                        recall_audit, recall_audit_items)
+                        recall_audit, recall_audit_items, quarantine)
 
 # -- views --------------------------------------------------------------------------------
 

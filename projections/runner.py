@@ -5,6 +5,12 @@ applied exactly once however often a runner is woken or restarted. The checkpoin
 is locked for the whole transaction (SQLite: BEGIN IMMEDIATE; PostgreSQL: SELECT ...
 FOR UPDATE), so a second runner of the same projection waits instead of applying the
 batch twice, and a killed holder's lock dies with its connection.
+
+An event the projection cannot apply does not stop it: the batch is applied in a
+savepoint, and if that fails with an error the events cause (`projections.quarantine`)
+the batch is bisected, each part in its own savepoint, down to the events that fail
+alone. Those are quarantined for this projection only, in the transaction that applies
+the rest and moves the checkpoint (docs/projections.md#quarantine).
 """
 
 from __future__ import annotations
@@ -17,13 +23,17 @@ from typing import Any, Final
 
 import orjson
 import structlog
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.records import StoredEvent
 from ledger.store import Store
+from projections import quarantine
+from projections.bulk import restore_shape
 from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
+from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
 from projections.sql import for_update, insert_ignore
 
@@ -88,17 +98,25 @@ class Runner:
     """Runs projections: one batch per call of `step`, or until caught up."""
 
     def __init__(self, store: Store, projections: Sequence[Projection] | None = None,
-                 batch_size: int = 1000) -> None:
+                 batch_size: int = 1000, *, retry_upgraded: bool = True) -> None:
         self.store = store
         self.projections = list(projections or default_projections())
         self.batch_size = batch_size
+        #: Retry, on a projection's first step, what another code version quarantined.
+        self.retry_upgraded = retry_upgraded
+        self._checked: set[str] = set()  # projections whose quarantine was looked at
+        self._stale: set[str] = set()  # ... and found to hold another version's entries
 
     async def step(self, proj: Projection, upto: int | None = None,
                    size: int | None = None) -> int:
         """Apply one batch of at most `size` positions (default: `batch_size`) to one
         projection; returns how many positions it moved."""
         with no_gc_pauses():
-            return await self._step(proj, upto, size or self.batch_size)
+            moved = await self._step(proj, upto, size or self.batch_size)
+        if proj.name in self._stale:
+            self._stale.discard(proj.name)
+            await self.retry_quarantined([proj.name], stale_only=True)
+        return moved
 
     async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
         cp = t.checkpoints.c
@@ -110,11 +128,15 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
+            if self.retry_upgraded and proj.name not in self._checked:
+                self._checked.add(proj.name)
+                if await quarantine.entries(conn, proj.name, stale_only=True, limit=1):
+                    self._stale.add(proj.name)  # retried once this transaction ends
             # Only at 0 can a bulk load be running. Its state is read in a statement of
             # its own, after the lock: on PostgreSQL a subquery of the locking SELECT
             # would see the snapshot from before the wait.
             if position == 0 and isinstance(proj, BulkLoadable):
-                moved = await self._bulk_step(proj, conn, size)
+                moved = await self._bulk_step(proj, conn, size, proj.tables)
                 if moved is not None:
                     return moved
             end = upto if upto is not None else await self.store.head(conn)
@@ -126,10 +148,17 @@ class Runner:
             types = getattr(proj, "types", None)
             batch = await self.store.read_events(conn, position, size, hi, types=types)
             started = time.perf_counter()
-            if batch:
-                await proj.apply(self.store, conn, batch)
+            # Events already quarantined for this view (its checkpoint was moved back,
+            # or a scratch replay mirrors a live one) stay skipped until retried.
+            held = await quarantine.held_positions(conn, proj.name, position, hi)
+            if held:
+                batch = [se for se in batch if se.position not in held]
+            failed = await self._apply_guarded(proj, conn, batch) if batch else []
+            if failed:
+                await quarantine.record(conn, proj.name, failed)
             await conn.execute(update(t.checkpoints).where(cp.name == proj.name)
                                .values(position=hi, updated_at=time.time()))
+        _report(proj.name, failed)
         log.debug("projection_batch", projection=proj.name, after=position, position=hi,
                   events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1))
         if proj.name == "erasure" and any(se.type in FORGETS for se in batch):
@@ -137,7 +166,7 @@ class Runner:
         return hi - position
 
     async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection,
-                         size: int) -> int | None:
+                         size: int, tables: Sequence[Any]) -> int | None:
         """Run the next step of the projection's bulk load, if one is in progress.
 
         Returns the positions of progress it reports (at least 1), or None when there
@@ -147,7 +176,17 @@ class Runner:
         if state is None:
             return None
         started = time.perf_counter()
-        new, moved = await proj.bulk_step(self.store, conn, state, size)
+        try:
+            async with conn.begin_nested():
+                new, moved = await proj.bulk_step(self.store, conn, state, size)
+        except Exception as e:
+            if not is_poison(e):
+                raise
+            await _abandon_bulk_load(conn, proj.name, tables)
+            log.warning("projection_bulk_load_abandoned", projection=proj.name,
+                        phase=state.get("phase"), error=type(e).__name__,
+                        message=quarantine.safe_message(e))
+            return 1
         await write_bulk_state(conn, proj.name, new)
         if new is None:
             await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
@@ -155,6 +194,107 @@ class Runner:
         log.debug("projection_bulk_step", projection=proj.name, phase=state.get("phase"),
                   done=new is None, ms=round((time.perf_counter() - started) * 1000, 1))
         return moved
+
+    async def _apply_guarded(self, proj: Projection, conn: AsyncConnection,
+                             batch: Sequence[StoredEvent]) -> list[Failure]:
+        """Apply `batch`, each attempt in a savepoint; returns the events that failed
+        alone (everything else is applied, in position order).
+
+        A failing batch is split in halves, each applied (or split again) in turn, so
+        k poison events among n cost about k * log2(n) extra attempts. Applying the
+        halves one after the other is applying the batch: a fold resolves each slot
+        and task from its whole set of facts.
+        """
+        try:
+            async with conn.begin_nested():
+                await proj.apply(self.store, conn, batch)
+            return []
+        except Exception as e:
+            if not is_poison(e):
+                raise
+            if len(batch) == 1:
+                return [Failure.of(batch[0], e)]
+        mid = len(batch) // 2
+        return (await self._apply_guarded(proj, conn, batch[:mid])
+                + await self._apply_guarded(proj, conn, batch[mid:]))
+
+    async def _reapply(self, proj: Projection, conn: AsyncConnection,
+                       events: Sequence[StoredEvent]) -> list[Failure]:
+        """Apply events behind the checkpoint again, one at a time, leaving the
+        projection's own bookkeeping (`meta` rows `<name>.*`, which describe its state
+        at the checkpoint) as it was."""
+        m = t.meta.c
+        mine = m.name.startswith(f"{proj.name}.", autoescape=True)
+        kept = [dict(r._mapping) for r in (await conn.execute(select(t.meta).where(mine))).all()]
+        failed: list[Failure] = []
+        for se in events:
+            failed += await self._apply_guarded(proj, conn, [se])
+        await conn.execute(delete(t.meta).where(mine))
+        if kept:
+            await conn.execute(t.meta.insert(), kept)
+        return failed
+
+    async def retry_quarantined(self, names: Sequence[str] | None = None, *,
+                                stale_only: bool = False) -> dict[str, dict[str, Any]]:
+        """Apply every quarantined event again (of the named projections, default all;
+        with `stale_only`, only those another code version quarantined).
+
+        Each projection in one transaction under its checkpoint lock: an event that now
+        applies leaves the quarantine, one that still fails stays (its error and code
+        version updated). An event a projection now applies is applied again to the
+        projections that read its view (`depends_on`), which applied it against a view
+        without it. Returns, per projection retried, the positions cleared and kept.
+        """
+        await self.store.open()
+        chosen = [p for p in self.projections if names is None or p.name in names]
+        done: dict[str, dict[str, Any]] = {}
+        for proj in chosen:
+            async with self.store.view_write() as conn:
+                position = await _lock(conn, self.store, proj.name)
+                rows = await quarantine.entries(conn, proj.name, stale_only=stale_only)
+                rows = [r for r in rows if int(r["position"]) <= position]
+                if not rows:
+                    continue
+                events = await _events_at(self.store, conn, [int(r["position"]) for r in rows])
+                failed = await self._reapply(proj, conn, events)
+                kept = {f.event.position for f in failed}
+                cleared = [se.position for se in events if se.position not in kept]
+                for p in cleared:
+                    await quarantine.release(conn, proj.name, p)
+                await quarantine.record(conn, proj.name, failed)
+                # A quarantined position the ledger no longer returns cannot be retried.
+                gone = {int(r["position"]) for r in rows} - {se.position for se in events}
+                for p in gone:
+                    await quarantine.release(conn, proj.name, p)
+            done[proj.name] = {"retried": len(rows), "cleared": cleared,
+                               "still_quarantined": sorted(kept)}
+            log.info("quarantine_retried", projection=proj.name, retried=len(rows),
+                     cleared=len(cleared), kept=len(kept))
+            if cleared:
+                await self._reapply_downstream(proj, cleared)
+        return done
+
+    async def _reapply_downstream(self, source: Projection, positions: Sequence[int]) -> None:
+        """Apply again, to every projection that reads `source`'s view (directly or
+        not) and has passed them, the events `source` has just applied late."""
+        readers = {source.name}
+        for proj in self.projections:
+            if not readers & set(proj.depends_on):
+                continue
+            readers.add(proj.name)
+            async with self.store.view_write() as conn:
+                position = await _lock(conn, self.store, proj.name)
+                mine = [p for p in positions if p <= position]
+                held = set()
+                if mine:
+                    held = await quarantine.held_positions(conn, proj.name, min(mine) - 1,
+                                                           max(mine))
+                events = [se for se in await _events_at(self.store, conn, mine)
+                          if se.position not in held
+                          and (proj.types is None or se.type in proj.types)]
+                failed = await self._reapply(proj, conn, events) if events else []
+                await quarantine.record(conn, proj.name, failed)
+            _report(proj.name, failed)
 
     async def catch_up(self, upto: int | None = None) -> dict[str, int]:
         """Run every projection until it reaches `upto` (default: the head now)."""
@@ -186,3 +326,38 @@ class Runner:
 
 async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:
     await conn.execute(insert_ignore(store, t.checkpoints).values(name=name, position=0))
+
+
+async def _lock(conn: AsyncConnection, store: Store, name: str) -> int:
+    """Lock a projection's checkpoint row (creating it) for this transaction; its position."""
+    await _ensure_checkpoint(conn, store, name)
+    q = for_update(store, select(t.checkpoints.c.position).where(t.checkpoints.c.name == name))
+    return int((await conn.execute(q)).scalar_one())
+
+
+async def _events_at(store: Store, conn: AsyncConnection,
+                     positions: Sequence[int]) -> list[StoredEvent]:
+    """The events at these positions, in position order."""
+    out: list[StoredEvent] = []
+    for p in sorted(set(positions)):
+        out += await store.read_events(conn, p - 1, 1, p)
+    return out
+
+
+async def _abandon_bulk_load(conn: AsyncConnection, name: str, tables: Sequence[Any]) -> None:
+    """End a bulk load that failed on what it read: empty the view again and leave the
+    checkpoint at 0, so the projection replays event by event from the start, where an
+    event it cannot apply is quarantined alone (the rebuild stays marked in progress)."""
+    m = t.meta.c
+    for table in tables:
+        await conn.execute(delete(table))
+    await conn.run_sync(restore_shape, name, tables)
+    await conn.execute(delete(t.meta).where(m.name.startswith(f"{name}.", autoescape=True)))
+
+
+def _report(projection: str, failed: Sequence[Failure]) -> None:
+    """One structured warning per quarantined event: where, what kind of error, no value."""
+    for f in failed:
+        log.warning("projection_event_quarantined", projection=projection,
+                    position=f.event.position, tenant=f.event.tenant, type=f.event.type,
+                    error=f.error, message=f.message)

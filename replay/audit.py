@@ -6,7 +6,9 @@ content, or `"redacted": true` when the content is gone (suppressed, erased, or 
 by a forget whose erasure has not run yet: an audit never shows what a forget covers).
 Writes carry the version and status the memories view gives them. Recalls are listed
 from the recall audit tables: audit id, time, principal, score and reason, never values
-(R25). An operator command: no principal, `--tenant` narrows.
+(R25). An event a projection quarantined carries `"quarantined"`: for each such view,
+the error's class and safe message, code version, time and attempts
+(docs/projections.md#quarantine). An operator command: no principal, `--tenant` narrows.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ledger.errors import ValidationError
 from ledger.events import MEMORY_WRITES, ns_parts, ns_path
 from ledger.forgets import Coordinates, Tombstone, covers, tombstone_from_row
 from ledger.store import Store
+from projections import quarantine
 from replay.rows import by_tenant, covering, row_dict
 
 _CHUNK = 400
@@ -246,6 +249,14 @@ async def audit(store: Store, *, memory_id: str | None = None,
         versions = await _versions(conn, pairs)
         grouped = by_tenant(tombs)
         events = [_item(r, grouped, versions) for r in sorted(rows, key=lambda r: r["position"])]
+        held: dict[int, list[dict[str, Any]]] = {}
+        for qe in await quarantine.entries(conn, positions=[e["position"] for e in events]):
+            held.setdefault(int(qe["position"]), []).append(
+                {k: qe[k] for k in ("projection", "error", "message", "code_version",
+                                   "recorded_at", "attempts")})
+        for e in events:
+            if e["position"] in held:
+                e["quarantined"] = held[e["position"]]
         memories = [{"tenant": k[0], "memory_id": k[1], "version": v.version,
                      "status": v.status, "layer": v.layer}
                     for k, v in sorted(versions.items())]

@@ -34,6 +34,7 @@ from ledger.records import StoredEvent, now_iso, stored_from_row
 from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
+from projections import quarantine
 from projections.bulk import restore_shape
 from projections.erasure import erase_payloads
 from projections.protocol import BulkLoadable, Projection
@@ -225,6 +226,9 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
         # `vectors.pending_after`): they describe the rows just dropped.
         await conn.execute(delete(t.meta).where(m.name.startswith(f"{proj.name}.",
                                                                    autoescape=True)))
+        # Its quarantine describes the view just dropped: the rebuild applies every
+        # event again, and quarantines anew what still fails.
+        await conn.execute(delete(t.quarantine).where(t.quarantine.c.projection == proj.name))
         await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
                            .values(position=0, updated_at=time.time()))
         await conn.execute(delete(t.meta).where(m.name == REBUILD_MARKER + proj.name))
@@ -302,4 +306,25 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
         log.info("projection_rebuilt", projection=p.name, events=n, head=head)
     bar.finish()
     await store.reclaim()
+    async with store.read() as conn:
+        held = await quarantine.summary(conn)
+    for name, q in held.items():
+        if name in done:
+            done[name]["quarantined"] = q["count"]
     return {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}
+
+
+async def retry_quarantined(store: Store, names: Sequence[str] | None = None, *,
+                            runner: Runner | None = None) -> dict[str, Any]:
+    """Apply the quarantined events of the named projections (all by default) again;
+    what applies now leaves the quarantine (docs/projections.md#quarantine)."""
+    await store.open()
+    runner = runner or Runner(store)
+    projs = select_projections(runner, names)
+    res = await runner.retry_quarantined([p.name for p in projs])
+    async with store.read() as conn:
+        left = await quarantine.summary(conn)
+    return {"projections": {p.name: res.get(p.name, {"retried": 0, "cleared": [],
+                                                     "still_quarantined": []})
+                            for p in projs},
+            "quarantined": {n: q for n, q in left.items() if n in {p.name for p in projs}}}

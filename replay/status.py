@@ -1,4 +1,5 @@
-"""What the ledger database says about itself: head, projection lag, rebuilds under way.
+"""What the ledger database says about itself: head, projection lag, rebuilds under way,
+events a projection quarantined (per projection: count and oldest position).
 
 `memledger status` prints this report with the broker's side merged in
 (`workers.health.broker_report`).
@@ -13,6 +14,7 @@ from sqlalchemy import func, select
 
 from ledger import schema as t
 from ledger.store import Store
+from projections import quarantine
 from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
 
 
@@ -30,6 +32,7 @@ async def status_report(store: Store) -> dict[str, Any]:
         meta = {r[0]: r[1] for r in (await conn.execute(select(m.name, m.value).where(
             m.name.startswith(REBUILD_MARKER, autoescape=True)
             | m.name.endswith(BULK_SUFFIX, autoescape=True)))).all()}
+        held = await quarantine.summary(conn)
     projections: dict[str, Any] = {}
     for n, p in positions.items():
         projections[n] = {"position": p, "lag": head - p}
@@ -39,11 +42,15 @@ async def status_report(store: Store) -> dict[str, Any]:
             load = orjson.loads(meta[n + BULK_SUFFIX])
             projections[n]["bulk_load"] = {"head": load.get("head"),
                                            "phase": load.get("phase")}
+        if n in held:
+            # Events this view skipped (docs/projections.md#quarantine).
+            projections[n]["quarantined"] = held[n]
     return {
         "head": head,
         "projections": projections,
         "backend": store.dialect,
         "tombstones": forgets,
         "dead_letters": dead,
+        "quarantined": sum(q["count"] for q in held.values()),
         "forget_register": str(store.register.path),
     }

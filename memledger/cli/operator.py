@@ -1,4 +1,5 @@
-"""The operator commands: status, project, sweep, replay rebuild|audit|verify, backup, restore.
+"""The operator commands: status, project, sweep, replay rebuild|retry-quarantined|audit|verify,
+backup, restore.
 
 Whoever runs them holds the database credentials, so they take no `--as` (some take
 `--tenant` to narrow). Each opens the store, calls one function of `projections` or
@@ -76,6 +77,25 @@ async def cmd_rebuild(args: argparse.Namespace) -> int:
             res = await rebuild(store, args.projection, restart=args.restart,
                                 batch_size=args.batch_size, progress=progress_of(args),
                                 bulk=not args.event_by_event)
+        except ValidationError as e:
+            if e.field != "projection":
+                raise
+            say(f"error: {error_message(e, args)}")  # a name not on the list: usage
+            return 2
+        out(res)
+    finally:
+        await store.close()
+    return 0
+
+
+async def cmd_retry_quarantined(args: argparse.Namespace) -> int:
+    """Apply the events a projection quarantined again; print what cleared."""
+    from replay.rebuild import retry_quarantined
+
+    store = open_store(args)
+    try:
+        try:
+            res = await retry_quarantined(store, args.projection)
         except ValidationError as e:
             if e.field != "projection":
                 raise
@@ -181,6 +201,13 @@ def _add_replay(aud: Audience) -> None:
                     help="replay each view as the live projections do instead of bulk "
                          "loading it (slower; the same rows)")
     rb.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    rq = handles(actions.add_parser(
+        "retry-quarantined", help="apply again the events a projection could not apply "
+                                  "and quarantined (docs/operations.md)"),
+        cmd_retry_quarantined, {"projection": "--projection"})
+    rq.add_argument("--projection", action="append", metavar="NAME",
+                    help="retry only this projection's quarantine (repeatable; default: all)")
 
     au = handles(actions.add_parser(
         "audit", help="the history of a memory, key or task, and the recalls that used it"),
