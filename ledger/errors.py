@@ -1,7 +1,7 @@
 """The project's exception tree: every failure a caller can act on has its own class.
 
-Driver errors are translated into these at one boundary (`ledger.store`), with
-``raise ... from e``, so callers never catch SQLAlchemy or asyncpg types.
+Driver errors are translated into these at one boundary (the recorder's transactions,
+`ledger.recorder`), with ``raise ... from e``, so callers never catch SQLAlchemy or asyncpg types.
 """
 
 from __future__ import annotations
@@ -54,6 +54,17 @@ class StoreUnavailable(MemledgerError):
 
 class IntegrityError(MemledgerError):
     """Stored data failed a check (hash chain, digest, backup checksum)."""
+
+
+class DatabaseCorrupt(IntegrityError):
+    """The database itself is damaged (SQLite: "database disk image is malformed", "file
+    is not a database"): no retry helps; restore a backup (docs/operations.md)."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(
+            f"the ledger database is damaged ({cause}); `memledger replay verify` runs "
+            "the backend's integrity check, and a backup restores it (docs/operations.md)")
 
 
 class BackupError(MemledgerError):
