@@ -71,6 +71,24 @@ class BackupError(MemledgerError):
     """A backup file is unusable or a restore was refused; the live database is unchanged."""
 
 
+class BackupTargetRefused(BackupError):
+    """`backup` was pointed at a path it must not write (a device, a directory, a
+    missing directory, an existing file without `force`); nothing was written there."""
+
+    def __init__(self, problem: str, remedy: str = "") -> None:
+        self.problem = problem
+        super().__init__(problem + remedy)
+
+
+class BackupTargetExists(BackupTargetRefused):
+    """The backup path holds a file already and `backup` was not told to replace it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"backup target {path} already exists",
+                         "; choose a new path, or pass force=True to replace it")
+
+
 class RegisterError(MemledgerError):
     """The forget register could not be read or written."""
 
