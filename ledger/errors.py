@@ -56,9 +56,13 @@ class IntegrityError(MemledgerError):
     """Stored data failed a check (hash chain, digest, backup checksum)."""
 
 
-class DatabaseCorrupt(IntegrityError):
+class DatabaseCorrupt(StoreUnavailable, IntegrityError):
     """The database itself is damaged (SQLite: "database disk image is malformed", "file
-    is not a database"): no retry helps; restore a backup (docs/operations.md)."""
+    is not a database"): restore a backup (docs/operations.md).
+
+    An `IntegrityError` (stored data failed a check) and a `StoreUnavailable`: a worker
+    keeps the message and tries again later (after the restore) rather than recording
+    a good event as a dead letter because the database under it was damaged."""
 
     def __init__(self, cause: str) -> None:
         self.cause = cause

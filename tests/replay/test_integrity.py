@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ledger.errors import DatabaseCorrupt
+from ledger.errors import DatabaseCorrupt, IntegrityError, StoreUnavailable
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.runner import Runner
@@ -134,8 +134,11 @@ async def test_damage_is_a_database_corrupt_error_not_a_driver_error(tmp_path: P
     try:
         from replay.audit import audit
 
-        with pytest.raises(DatabaseCorrupt, match="database disk image is malformed"):
+        with pytest.raises(DatabaseCorrupt, match="database disk image is malformed") as info:
             await audit(store, namespace=NS.split("/"), key="k5")
+        # Both: stored data failed a check, and a worker retries rather than dead-letters.
+        assert isinstance(info.value, IntegrityError)
+        assert isinstance(info.value, StoreUnavailable)
     finally:
         await store.close()
 
@@ -184,3 +187,11 @@ async def test_without_amcheck_verify_says_so_and_does_not_fail() -> None:
     finally:
         await _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await _pg_admin(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_a_worker_retries_on_a_damaged_database_instead_of_dead_lettering() -> None:
+    """A good event that met a damaged database is kept for a retry, never recorded as
+    a dead letter (a plain `MemledgerError` would be)."""
+    from workers.policy import Disposition, classify
+
+    assert classify(DatabaseCorrupt("database disk image is malformed")) is Disposition.RETRY
