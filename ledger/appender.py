@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import structlog
 from sqlalchemy import func, select
@@ -44,11 +44,22 @@ from ledger.forgets import (
     tombstone_of,
     tombstone_row,
 )
-from ledger.recorder import pairs_in
+from ledger.recorder import Recorder, pairs_in
 from ledger.records import AppendResult, now_iso
+from ledger.register import ForgetRegister
 
-if TYPE_CHECKING:
-    from ledger.store import Store
+
+class Ledger(Protocol):
+    """What the append path uses of `ledger.store.Store` (a protocol, so this module
+    does not import the store that imports it)."""
+
+    recorder: Recorder
+    register: ForgetRegister
+
+    async def tombstones(self, conn: AsyncConnection, tenants: Iterable[str] | None = None,
+                         upto: int | None = None) -> list[Tombstone]:
+        """Tombstones, optionally of some tenants and up to a position."""
+        ...
 
 log = structlog.get_logger("memledger.ledger")
 
@@ -121,7 +132,7 @@ def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
 class Appender:
     """One group-commit transaction: checks every request, then inserts in one go."""
 
-    def __init__(self, store: Store, conn: AsyncConnection) -> None:
+    def __init__(self, store: Ledger, conn: AsyncConnection) -> None:
         self.store = store
         self.recorder = store.recorder
         self.conn = conn
@@ -317,7 +328,7 @@ def seal(row: dict[str, Any], prev: str) -> str:
     return str(row["chain"])
 
 
-async def record_unchecked(store: Store, conn: AsyncConnection, ev: Event) -> int:
+async def record_unchecked(store: Ledger, conn: AsyncConnection, ev: Event) -> int:
     """Append one event without the append path's checks, inside a write transaction
     (`Store.write`), with its tombstone if it is a forget or purge; returns its
     position. For `replay.rebuild`: a register forget whose target is absent."""

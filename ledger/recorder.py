@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Protocol
 
 from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
@@ -28,9 +28,6 @@ from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import DatabaseCorrupt, StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
-
-if TYPE_CHECKING:
-    from ledger.backends.sqlite import WriteTurn
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -45,6 +42,21 @@ STORED_COLUMNS: Final = (
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
 #: What SQLite says of a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB).
 CORRUPTION_MESSAGES: Final = ("database disk image is malformed", "file is not a database")
+
+
+class Turn(Protocol):
+    """A queue in front of the backend's write lock (`ledger.backends.sqlite.WriteTurn`;
+    a protocol here so the interface does not import a backend)."""
+
+    timeouts: int
+
+    def hold(self) -> AbstractAsyncContextManager[bool]:
+        """Hold the turn for the block; yields whether it was granted."""
+        ...
+
+    def close(self) -> None:
+        """Stop waiting for turns (the store is closed)."""
+        ...
 
 
 class WriteLock(Enum):
@@ -89,7 +101,7 @@ class Recorder(ABC):
         self.engine = self.create_engine(pool_size)
         #: The write turn taken before each write transaction, if the backend has one
         #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
-        self.turn: WriteTurn | None = None
+        self.turn: Turn | None = None
 
     # -- engine and session set-up ----------------------------------------------------------
     @abstractmethod
