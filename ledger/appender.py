@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import structlog
 from sqlalchemy import func, select
@@ -44,11 +44,22 @@ from ledger.forgets import (
     tombstone_of,
     tombstone_row,
 )
-from ledger.recorder import ledger_id, pairs_in
+from ledger.recorder import Recorder, ledger_id, pairs_in
 from ledger.records import AppendResult, now_iso
+from ledger.register import ForgetRegister
 
-if TYPE_CHECKING:
-    from ledger.store import Store
+
+class Ledger(Protocol):
+    """What the append path uses of `ledger.store.Store` (a protocol, so this module
+    does not import the store that imports it)."""
+
+    recorder: Recorder
+    register: ForgetRegister
+
+    async def tombstones(self, conn: AsyncConnection, tenants: Iterable[str] | None = None,
+                         upto: int | None = None) -> list[Tombstone]:
+        """Tombstones, optionally of some tenants and up to a position."""
+        ...
 
 log = structlog.get_logger("memledger.ledger")
 
@@ -57,6 +68,11 @@ GROUP_MAX_EVENTS: Final = 4000
 
 
 _MISSING: Final = object()
+#: The remedy for an explicit id or task key that is taken. Explicit memory ids and
+#: task keys are unique in a tenant (the views key rows by them), so a taken one is
+#: refused whoever took it; the answer never says who, or under which namespace.
+_UNUSABLE: Final = "omit it to derive one, or choose another"
+_UNUSABLE_TASK: Final = "use a new task key"
 
 
 class _Undo:
@@ -116,7 +132,7 @@ def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
 class Appender:
     """One group-commit transaction: checks every request, then inserts in one go."""
 
-    def __init__(self, store: Store, conn: AsyncConnection) -> None:
+    def __init__(self, store: Ledger, conn: AsyncConnection) -> None:
         self.store = store
         self.recorder = store.recorder
         self.conn = conn
@@ -223,8 +239,10 @@ class Appender:
         if ev.is_write:
             mkey = (ev.tenant, d["memory_id"])
             if mkey in self.mem_owner:
-                raise ValidationError("data.memory_id", f"memory_id {d['memory_id']!r} is "
-                                      "already used by another write; omit it to derive one")
+                # Whose write holds it is not said: the same answer for the user's own
+                # earlier write and for anyone else's (see `_UNUSABLE`).
+                raise ValidationError("data.memory_id", f"memory_id {d['memory_id']!r} "
+                                      f"is already used; {_UNUSABLE}")
         if ev.type in ("memory.superseded", "memory.confirmed") or (
                 ev.type == "memory.forgotten" and "memory_id" in d):
             self._check_target_owner(ev, d["memory_id"])
@@ -237,8 +255,8 @@ class Appender:
                                       "and task events")
             actual = await self._count(target, task=slot is None, tenant=ev.tenant)
             if actual != ev.expected_version:
-                label = (f"slot {d.get('key')!r} in {'/'.join(d['namespace'])}"
-                         if slot else f"task {ev.task_key!r}")
+                # The key or task key the request named, never its namespace parts.
+                label = (f"slot {d.get('key')!r}" if slot else f"task {ev.task_key!r}")
                 raise ConcurrencyConflict(label, ev.expected_version, actual)
         suppressed = self._covered(ev, owner_path)
         position += 1
@@ -265,13 +283,11 @@ class Appender:
         owner = self.mem_owner.get((ev.tenant, memory_id))
         if ev.source.kind not in USER_KINDS:
             return
-        if owner is None:
-            raise ValidationError("data.memory_id", f"no memory {memory_id!r} in tenant "
-                                  f"{ev.tenant!r} that {ev.actor!r} may change")
-        if owner.split(NS_SEP)[1] != ev.actor:
-            # Same message as "no such memory": a user must not learn what others hold.
-            raise ValidationError("data.memory_id", f"no memory {memory_id!r} in tenant "
-                                  f"{ev.tenant!r} that {ev.actor!r} may change")
+        if owner is None or owner.split(NS_SEP)[1] != ev.actor:
+            # One message for "no such memory" and "another user's memory": a user must
+            # not learn what others hold. It names only what the request said.
+            raise ValidationError("data.memory_id", f"no memory {memory_id!r} that "
+                                  f"{ev.actor!r} may change")
 
     def _check_task(self, ev: Event, undo: _Undo) -> str | None:
         k = (ev.tenant, str(ev.task_key))
@@ -279,8 +295,10 @@ class Appender:
         if ev.type == "task.opened":
             path = ns_path(ev.data["namespace"])
             if owner is not None and owner != path:
-                raise ValidationError("data.task_key", f"task {ev.task_key!r} is already "
-                                      "open under another owner; use a new task key")
+                # Not "under another owner": the same answer whoever holds the key
+                # (another user, or this user under another namespace).
+                raise ValidationError("data.task_key", f"task {ev.task_key!r} cannot be "
+                                      f"opened under this namespace; {_UNUSABLE_TASK}")
             if owner is None:
                 undo.set(self.task_owner, k, path)
                 undo.set(self.owner_rows, k, path)
@@ -313,7 +331,7 @@ def seal(row: dict[str, Any], prev: str) -> str:
     return str(row["chain"])
 
 
-async def record_unchecked(store: Store, conn: AsyncConnection, ev: Event) -> int:
+async def record_unchecked(store: Ledger, conn: AsyncConnection, ev: Event) -> int:
     """Append one event without the append path's checks, inside a write transaction
     (`Store.write`), with its tombstone if it is a forget or purge; returns its
     position. For `replay.rebuild`: a register forget whose target is absent."""

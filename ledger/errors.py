@@ -1,7 +1,7 @@
 """The project's exception tree: every failure a caller can act on has its own class.
 
-Driver errors are translated into these at one boundary (`ledger.store`), with
-``raise ... from e``, so callers never catch SQLAlchemy or asyncpg types.
+Driver errors are translated into these at one boundary (the recorder's transactions,
+`ledger.recorder`), with ``raise ... from e``, so callers never catch SQLAlchemy or asyncpg types.
 """
 
 from __future__ import annotations
@@ -56,8 +56,41 @@ class IntegrityError(MemledgerError):
     """Stored data failed a check (hash chain, digest, backup checksum)."""
 
 
+class DatabaseCorrupt(StoreUnavailable, IntegrityError):
+    """The database itself is damaged (SQLite: "database disk image is malformed", "file
+    is not a database"): restore a backup (docs/operations.md).
+
+    An `IntegrityError` (stored data failed a check) and a `StoreUnavailable`: a worker
+    keeps the message and tries again later (after the restore) rather than recording
+    a good event as a dead letter because the database under it was damaged."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(
+            f"the ledger database is damaged ({cause}); `memledger replay verify` runs "
+            "the backend's integrity check, and a backup restores it (docs/operations.md)")
+
+
 class BackupError(MemledgerError):
     """A backup file is unusable or a restore was refused; the live database is unchanged."""
+
+
+class BackupTargetRefused(BackupError):
+    """`backup` was pointed at a path it must not write (a device, a directory, a
+    missing directory, an existing file without `force`); nothing was written there."""
+
+    def __init__(self, problem: str, remedy: str = "") -> None:
+        self.problem = problem
+        super().__init__(problem + remedy)
+
+
+class BackupTargetExists(BackupTargetRefused):
+    """The backup path holds a file already and `backup` was not told to replace it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"backup target {path} already exists",
+                         "; choose a new path, or pass force=True to replace it")
 
 
 class RegisterError(MemledgerError):

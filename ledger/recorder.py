@@ -15,21 +15,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Protocol
 
 from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
 from ledger.chain import GENESIS
-from ledger.errors import StoreUnavailable
+from ledger.errors import DatabaseCorrupt, StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
-
-if TYPE_CHECKING:
-    from ledger.backends.sqlite import WriteTurn
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -42,6 +40,23 @@ STORED_COLUMNS: Final = (
 )
 #: The `events` columns in table order (the order `insert_events` rows are written in).
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
+#: What SQLite says of a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB).
+CORRUPTION_MESSAGES: Final = ("database disk image is malformed", "file is not a database")
+
+
+class Turn(Protocol):
+    """A queue in front of the backend's write lock (`ledger.backends.sqlite.WriteTurn`;
+    a protocol here so the interface does not import a backend)."""
+
+    timeouts: int
+
+    def hold(self) -> AbstractAsyncContextManager[bool]:
+        """Hold the turn for the block; yields whether it was granted."""
+        ...
+
+    def close(self) -> None:
+        """Stop waiting for turns (the store is closed)."""
+        ...
 
 
 class WriteLock(Enum):
@@ -52,18 +67,41 @@ class WriteLock(Enum):
     DEAD_LETTERS = "dead_letters"  # two daemons recording one redelivered message
 
 
+@dataclass
+class IntegrityReport:
+    """What the backend's own integrity check (`Recorder.integrity_check`) found."""
+
+    #: The check that ran, e.g. `sqlite integrity_check` or `postgresql amcheck`.
+    check: str
+    #: One line per problem the check reported (empty: none).
+    problems: list[str] = field(default_factory=list)
+    #: False when the check could not run here (`note` says why): not a failure.
+    available: bool = True
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `integrity` member of `replay verify`'s output."""
+        out: dict[str, Any] = {"check": self.check, "available": self.available,
+                               "ok": not self.problems}
+        if self.note is not None:
+            out["note"] = self.note
+        return out
+
+
 class Recorder(ABC):
     """One backend's engine, transactions and ledger statements."""
 
     #: The backend's name: `sqlite` or `postgresql` (`Store.dialect`, backup headers).
     name: ClassVar[str]
+    #: What `integrity_check` runs, as its report names it.
+    integrity_check_name: ClassVar[str]
 
     def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
         self.engine = self.create_engine(pool_size)
         #: The write turn taken before each write transaction, if the backend has one
         #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
-        self.turn: WriteTurn | None = None
+        self.turn: Turn | None = None
 
     # -- engine and session set-up ----------------------------------------------------------
     @abstractmethod
@@ -103,6 +141,7 @@ class Recorder(ABC):
                     await self.lock_events(conn)
                     yield conn
         except (OperationalError, DBAPIError, OSError) as e:
+            raise_corrupt(e)
             if isinstance(e, DBAPIError) and not is_transient(e):
                 raise
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
@@ -117,7 +156,10 @@ class Recorder(ABC):
             async with self.engine.connect() as conn, conn.begin():
                 await self.begin_snapshot(conn)
                 yield conn
-        except (OperationalError, OSError) as e:
+        except (DatabaseError, OSError) as e:
+            raise_corrupt(e)
+            if not isinstance(e, OperationalError | OSError):
+                raise
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
 
     def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
@@ -136,8 +178,17 @@ class Recorder(ABC):
                 conn = await conn.execution_options(memledger_write=True)
                 async with conn.begin():
                     yield conn
-        except (OperationalError, OSError) as e:
+        except (DatabaseError, OSError) as e:
+            raise_corrupt(e)
+            if not isinstance(e, OperationalError | OSError):
+                raise
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+
+    @abstractmethod
+    async def integrity_check(self, limit: int) -> IntegrityReport:
+        """Run the backend's own check of its files (pages, indexes), at most `limit`
+        problems listed; in its own connection, outside any transaction. A check the
+        backend cannot run here is reported as not available, not as a failure."""
 
     async def dispose(self) -> None:
         """Close the connection pool."""
@@ -258,6 +309,21 @@ def short_error(e: BaseException) -> str:
     """The first line of an error, at most 300 characters."""
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     return msg[:300]
+
+
+def corrupt_cause(e: BaseException) -> str | None:
+    """What the driver said if `e` means the database file is damaged, else None."""
+    if not isinstance(e, DatabaseError):
+        return None
+    text = str(e.orig if e.orig is not None else e).lower()
+    return next((m for m in CORRUPTION_MESSAGES if m in text), None)
+
+
+def raise_corrupt(e: BaseException) -> None:
+    """Raise `DatabaseCorrupt` from `e` if `e` says the database is damaged."""
+    cause = corrupt_cause(e)
+    if cause is not None:
+        raise DatabaseCorrupt(cause) from e
 
 
 def is_transient(e: DBAPIError) -> bool:

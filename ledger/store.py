@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import structlog
 from sqlalchemy import select
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -28,7 +28,7 @@ from ledger.errors import MemledgerError, StoreUnavailable
 from ledger.events import Event
 from ledger.forgets import Tombstone, tombstone_from_row
 from ledger.logs import configure_default
-from ledger.recorder import WriteLock, short_error
+from ledger.recorder import WriteLock, raise_corrupt, short_error
 from ledger.records import AppendResult, StoredEvent
 from ledger.register import ForgetRegister, default_register_path
 
@@ -104,7 +104,10 @@ class Store:
                             f"database schema version {row[0]} is newer than this "
                             f"memledger ({t.SCHEMA_VERSION}); upgrade memledger")
                     await conn.commit()
-            except (OperationalError, OSError) as e:
+            except (DatabaseError, OSError) as e:
+                raise_corrupt(e)
+                if not isinstance(e, OperationalError | OSError):
+                    raise
                 raise StoreUnavailable(f"cannot open ledger database: {short_error(e)}") from e
             self._opened = True
         return self

@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import gzip
 import hashlib
 import os
+import stat
+import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.chain import ChainCheck
-from ledger.errors import BackupError
+from ledger.errors import BackupError, BackupTargetExists, BackupTargetRefused
 from ledger.events import digest
 from ledger.forgets import tombstone_from_row
 from ledger.records import now_iso
@@ -70,10 +74,15 @@ def _encode(row: dict[str, Any], columns: list[str], binary: set[str]) -> bytes:
 
 
 class _HashingWriter:
-    """Writes lines to a file (gzip or plain) and hashes the uncompressed bytes."""
+    """Writes lines to a file (gzip or plain) and hashes the uncompressed bytes.
 
-    def __init__(self, path: Path, *, compress: bool) -> None:
-        self.raw = path.open("wb")
+    A write that fails (the disk is full, ENOSPC) raises `BackupError` naming the
+    backup target, here, before the error could pass through the database's read
+    transaction and be taken for a database problem."""
+
+    def __init__(self, raw: BinaryIO, target: Path, *, compress: bool) -> None:
+        self.raw = raw
+        self.target = target
         self.out: IO[bytes] = cast(BinaryIO, gzip.GzipFile(
             fileobj=self.raw, mode="wb", compresslevel=6)) \
             if compress else self.raw
@@ -85,23 +94,86 @@ class _HashingWriter:
         if hashed:
             self.sha.update(data)
         self.bytes += len(data)
-        self.out.write(data)
+        try:
+            self.out.write(data)
+        except OSError as e:
+            raise _write_error(self.target, e) from e
 
     def close(self) -> None:
-        if self.out is not self.raw:
-            self.out.close()
-        self.raw.flush()
-        os.fsync(self.raw.fileno())
-        self.raw.close()
+        try:
+            if self.out is not self.raw:
+                self.out.close()
+            self.raw.flush()
+            os.fsync(self.raw.fileno())
+            self.raw.close()
+        except OSError as e:
+            raise _write_error(self.target, e) from e
 
 
-async def backup(store: Store, path: str | os.PathLike[str], *,
+def _write_error(target: Path, e: OSError) -> BackupError:
+    if e.errno == errno.ENOSPC:
+        return BackupError(f"cannot write backup {target}: no space left on the device "
+                           "that holds it; nothing was written there (free space or "
+                           "choose another path)")
+    return BackupError(f"cannot write backup {target}: {e.strerror or e}; nothing was "
+                       "written there")
+
+
+def check_target(target: Path, *, force: bool = False) -> None:
+    """Refuse a backup path that is not a new path in an existing directory, or (with
+    `force`) an existing regular file: never a device, a directory, a symbolic link
+    or another special file, and never an existing file unless told to replace it."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise BackupTargetRefused(f"backup target {target} cannot be checked: "
+                                  f"{e.strerror or e}") from e
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise BackupTargetRefused(
+                f"backup target {target} is {_kind(st.st_mode)}, not a regular file",
+                "; choose a path for a new file")
+        if not force:
+            raise BackupTargetExists(str(target))
+    parent = target.parent
+    if not parent.is_dir():
+        raise BackupTargetRefused(f"backup target {target}: directory {parent} does not "
+                                  "exist", "; create it first")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _temp_file(target: Path) -> tuple[Path, BinaryIO]:
+    """A new file beside `target`, mode 0600 (`mkstemp`), for writing the backup into."""
+    try:
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                    suffix=".partial")
+    except OSError as e:
+        raise _write_error(target, e) from e
+    return Path(name), os.fdopen(fd, "wb")
+
+
+async def backup(store: Store, path: str | os.PathLike[str], *, force: bool = False,
                  progress: ProgressCallback | None = None) -> dict[str, Any]:
-    """Write a consistent backup of the ledger tables to `path` (atomically replaced)."""
-    await store.open()
+    """Write a consistent backup of the ledger tables to `path`.
+
+    `path` must be new, or with `force` an existing regular file (`check_target`). The
+    backup is written to a temporary file (mode 0600) in the same directory and renamed
+    into place once complete and synced, so `path` is never seen half written."""
     target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    writer = _HashingWriter(partial, compress=target.name.endswith(".gz"))
+    check_target(target, force=force)
+    await store.open()
+    partial, raw = _temp_file(target)
+    writer = _HashingWriter(raw, target, compress=target.name.endswith(".gz"))
     erased = 0
     try:
         async with store.read() as conn:
@@ -140,25 +212,46 @@ async def backup(store: Store, path: str | os.PathLike[str], *,
         sha = writer.sha.hexdigest()
         writer.line(orjson.dumps({"end": True, "rows": total, "sha256": sha}), hashed=False)
         writer.close()
+        size = _publish(partial, target, force=force)
     except BaseException:
-        writer.raw.close()
+        with contextlib.suppress(OSError):
+            writer.raw.close()
         partial.unlink(missing_ok=True)
         raise
-    size = _publish(partial, target)
     return {"path": str(target), "position": position, "counts": counts,
             "bytes": size, "sha256": sha, "format": FORMAT,
             "version": VERSION, "erased_in_backup": erased}
 
 
-def _publish(partial: Path, target: Path) -> int:
-    """Move the finished file into place durably; returns its size in bytes."""
-    os.replace(partial, target)
-    fd = os.open(target.parent, os.O_RDONLY)
+def _publish(partial: Path, target: Path, *, force: bool) -> int:
+    """Move the finished file into place durably; returns its size in bytes.
+
+    Without `force` the file is linked in (`link` fails if anything appeared at the path
+    meanwhile, so nothing is replaced); with `force` the path is checked again and
+    replaced in one rename."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return target.stat().st_size
+        if force:
+            check_target(target, force=True)
+            os.replace(partial, target)
+        else:
+            try:
+                os.link(partial, target)
+            except FileExistsError as e:
+                raise BackupTargetExists(str(target)) from e
+            except OSError as e:  # a file system without hard links: check, then rename
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                check_target(target)
+                os.replace(partial, target)
+            partial.unlink(missing_ok=True)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return target.stat().st_size
+    except OSError as e:
+        raise _write_error(target, e) from e
 
 
 # -- reading ------------------------------------------------------------------------------

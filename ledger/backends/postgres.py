@@ -13,10 +13,12 @@ from typing import Any, ClassVar, Final
 
 from sqlalchemy import Select, String, Table, Text, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 
-from ledger.recorder import Recorder, WriteLock
+from ledger import schema as t
+from ledger.recorder import IntegrityReport, Recorder, WriteLock, short_error
 
 #: Advisory lock ids, one per `WriteLock`.
 ADVISORY_LOCK_IDS: Final = {WriteLock.SCHEMA: 7231001, WriteLock.DEAD_LETTERS: 7231006}
@@ -25,12 +27,20 @@ IDLE_IN_TRANSACTION_MS: Final = 60000
 LOCK_TIMEOUT: Final = "30s"
 #: The tables that hold (or held) content an erasure removes.
 CONTENT_TABLES: Final = ("events", "mem_versions", "task_notes", "tasks_view", "vectors")
+#: SQLSTATEs that mean "this role may not run amcheck here", not "the data is damaged".
+_NOT_PERMITTED: Final = ("42501", "0A000", "58P01", "42883")
+_BTREE_INDEXES: Final = text(
+    "SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
+    "JOIN pg_class tc ON tc.oid = i.indrelid JOIN pg_am am ON am.oid = ic.relam "
+    "WHERE tc.relname = ANY(:tables) AND am.amname = 'btree' "
+    "AND pg_table_is_visible(tc.oid) ORDER BY ic.relname")
 
 
 class PostgresRecorder(Recorder):
     """PostgreSQL: a server, a connection pool, many writers queued on its locks."""
 
     name: ClassVar[str] = "postgresql"
+    integrity_check_name: ClassVar[str] = "postgresql amcheck"
 
     def create_engine(self, pool_size: int) -> AsyncEngine:
         return create_async_engine(
@@ -73,6 +83,48 @@ class PostgresRecorder(Recorder):
             return column.collate("C")
         return column
 
+    async def integrity_check(self, limit: int) -> IntegrityReport:
+        """amcheck: `verify_heapam` on each memledger table and `bt_index_check` (every
+        heap tuple indexed) on each of their indexes.
+
+        The extension is created if missing (`CREATE EXTENSION IF NOT EXISTS amcheck`,
+        which needs a role allowed to); where it cannot be created or its functions may
+        not be run by this role, the report says so and is not a failure."""
+        rep = IntegrityReport(self.integrity_check_name)
+        tables = sorted(t.metadata.tables)
+        async with self.engine.connect() as c0:
+            conn = await c0.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                await conn.execute(text("CREATE EXTENSION IF NOT EXISTS amcheck"))
+                indexes = [r[0] for r in
+                           (await conn.execute(_BTREE_INDEXES, {"tables": tables})).all()]
+                for table in tables:
+                    rows = (await conn.execute(text(
+                        "SELECT blkno, offnum, msg FROM verify_heapam("
+                        "to_regclass(quote_ident(:rel)), on_error_stop => false) "
+                        "LIMIT :n"), {"rel": table, "n": limit})).all()
+                    rep.problems += [f"table {table} block {r[0]} item {r[1]}: {r[2]}"
+                                     for r in rows]
+                for index in indexes:
+                    try:
+                        await conn.execute(text(
+                            "SELECT bt_index_check(to_regclass(quote_ident(:rel)), true)"),
+                            {"rel": index})
+                    except DBAPIError as e:
+                        if _sqlstate(e) in _NOT_PERMITTED:
+                            raise
+                        rep.problems.append(f"index {index}: {short_error(e.orig or e)}")
+            except DBAPIError as e:
+                if _sqlstate(e) not in _NOT_PERMITTED:
+                    raise
+                return IntegrityReport(
+                    rep.check, available=False,
+                    note=f"amcheck cannot run for this role here ({short_error(e.orig or e)}); "
+                         "install it as a superuser (CREATE EXTENSION amcheck) and grant "
+                         "its functions to check tables and indexes")
+        rep.problems = rep.problems[:limit]
+        return rep
+
     async def reclaim(self) -> None:
         """VACUUM the tables that held the content, so dead row versions are reclaimed
         now rather than at autovacuum's leisure (their bytes may still sit in WAL
@@ -86,3 +138,9 @@ class PostgresRecorder(Recorder):
                  "WHERE relname = ANY(:names)")
         return {r[0]: int(r[1]) for r in
                 (await conn.execute(q, {"names": list(CONTENT_TABLES)})).all()}
+
+
+def _sqlstate(e: DBAPIError) -> str | None:
+    """The SQLSTATE of a driver error (asyncpg's, through SQLAlchemy's adapter)."""
+    code = getattr(e.orig, "sqlstate", None) or getattr(e.orig, "pgcode", None)
+    return str(code) if code is not None else None

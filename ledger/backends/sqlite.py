@@ -47,13 +47,20 @@ from sqlalchemy import Table
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Insert
 
 from ledger.errors import StoreUnavailable
-from ledger.recorder import EVENT_COLUMNS, Recorder, WriteLock, short_error
+from ledger.recorder import (
+    EVENT_COLUMNS,
+    IntegrityReport,
+    Recorder,
+    WriteLock,
+    raise_corrupt,
+    short_error,
+)
 
 PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
                   "secure_delete=ON", "foreign_keys=ON")
@@ -69,6 +76,7 @@ class SQLiteRecorder(Recorder):
     """SQLite: one file (or `:memory:`), one writer at a time."""
 
     name: ClassVar[str] = "sqlite"
+    integrity_check_name: ClassVar[str] = "sqlite quick_check, integrity_check"
 
     def __init__(self, url: str, *, pool_size: int = 5, write_turns: bool = False) -> None:
         super().__init__(url, pool_size=pool_size)
@@ -125,7 +133,10 @@ class SQLiteRecorder(Recorder):
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(memledger_no_begin=True)
                 yield conn
-        except (OperationalError, OSError) as e:
+        except (DatabaseError, OSError) as e:
+            raise_corrupt(e)
+            if not isinstance(e, OperationalError | OSError):
+                raise
             raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
 
     async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
@@ -141,12 +152,29 @@ class SQLiteRecorder(Recorder):
     def insert_ignore(self, table: Table) -> Insert:
         return sqlite_insert(table).on_conflict_do_nothing()
 
+    async def integrity_check(self, limit: int) -> IntegrityReport:
+        """`PRAGMA quick_check` (every page and b-tree), then, if that is clean,
+        `PRAGMA integrity_check` (also every index against its table). quick_check
+        first because it lists damaged pages where integrity_check, reading an index
+        through them, may only fail with "database disk image is malformed"."""
+        rep = IntegrityReport(self.integrity_check_name)
+        n = max(1, int(limit))
+        async with self._read_once() as conn:
+            for pragma in ("quick_check", "integrity_check"):
+                rows = (await conn.exec_driver_sql(f"PRAGMA {pragma}({n})")).all()
+                rep.problems = [line for r in rows
+                                for line in str(r[0]).splitlines()
+                                if line.strip() and str(r[0]) != "ok"
+                                and not line.startswith("*** in database")]
+                if rep.problems:
+                    break
+        return rep
+
     async def reclaim(self) -> None:
         """Move the WAL into the main file and truncate it (with secure_delete on, the
         erased bytes are then gone from the files)."""
-        async with self.engine.connect() as conn:
+        async with self._read_once() as conn:
             await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
-            await conn.commit()
 
     async def erasure_leftovers(self) -> list[dict[str, Any]]:
         """A WAL that still holds page images, or secure_delete off (file databases)."""
@@ -159,7 +187,7 @@ class SQLiteRecorder(Recorder):
             out.append({"place": str(wal),
                         "detail": "the WAL still holds page images (another connection kept "
                                   "a read snapshot open); run again when it is idle"})
-        async with self.engine.connect() as c:
+        async with self._read_once() as c:
             sd = (await c.exec_driver_sql("PRAGMA secure_delete")).scalar()
         if not sd:
             out.append({"place": "sqlite", "detail": "PRAGMA secure_delete is off"})

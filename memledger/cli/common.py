@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, TextIO
 
 import orjson
 
-from ledger.errors import MemledgerError, RegisterError, ValidationError
+from ledger.errors import BackupTargetExists, MemledgerError, RegisterError, ValidationError
 from ledger.store import Store
 from memledger import MemoryLedger
 from replay.errors import DatabaseNotEmpty, RegisterDamaged, RegisterMissing, RestoreRefused
@@ -150,13 +150,16 @@ def error_message(e: MemledgerError, args: argparse.Namespace) -> str:
 
     A `ValidationError` whose field is a parameter the command sets from a flag
     (`error_flags` of the command) names the flag instead; a refused restore says what
-    to do with the restore's flags. Every other message is the library's own.
+    to do with the restore's flags, an existing backup target with the backup's. Every
+    other message is the library's own.
     """
     flags: Mapping[str, str] = getattr(args, "error_flags", {})
     if isinstance(e, ValidationError) and e.field in flags:
         return f"{flags[e.field]}: {e.message}"
     if isinstance(e, RestoreRefused) and type(e) in _REMEDIES:
         return e.problem + _REMEDIES[type(e)]
+    if isinstance(e, BackupTargetExists):
+        return e.problem + "; choose a new path, or pass --force to replace it"
     return str(e)
 
 

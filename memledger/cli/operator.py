@@ -155,7 +155,7 @@ async def cmd_backup(args: argparse.Namespace) -> int:
 
     store = open_store(args)
     try:
-        res = await backup(store, args.path, progress=progress_of(args))
+        res = await backup(store, args.path, force=args.force, progress=progress_of(args))
         out(res)
     finally:
         await store.close()
@@ -245,7 +245,10 @@ def add_commands(aud: Audience) -> None:
 
     bk = aud.command("backup", "one consistent, portable, checksummed backup file, taken "
                                "online (.gz: compressed)", cmd_backup)
-    bk.add_argument("path")
+    bk.add_argument("path", help="a new file, in an existing directory (or, with --force, "
+                                 "an existing regular file to replace)")
+    bk.add_argument("--force", action="store_true",
+                    help="replace PATH if it is an existing regular file")
     bk.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     rs = aud.command("restore", "restore a backup, reapply the forget register, rebuild the "

@@ -1,6 +1,9 @@
 """`replay verify`: the ledger is intact and every view equals a fresh replay.
 
-Three checks, one module each:
+First the backend's own integrity check of its files (`Recorder.integrity_check`:
+SQLite `integrity_check`, PostgreSQL amcheck where this role may run it); if it finds
+damage, the other checks are not run (they would read damaged pages) and verify fails
+naming it. Then three checks, one module each:
 
 - `replay.verify.chain`: positions, the hash chain, digests, redactions, tombstones;
 - `replay.verify.views`: every view table against a fresh replay into a scratch
@@ -19,6 +22,8 @@ from typing import Any
 from sqlalchemy import select
 
 from ledger import schema as t
+from ledger.errors import DatabaseCorrupt
+from ledger.recorder import IntegrityReport
 from ledger.store import Store
 from projections import quarantine
 from projections.runner import Runner
@@ -30,11 +35,22 @@ from replay.verify.views import compare_views
 async def verify(store: Store, *, catch_up: bool = True, views: bool = True,
                  limit: int = MAX_PROBLEMS) -> dict[str, Any]:
     """Run every integrity check; returns `{"ok": ...}` with counts or problems."""
+    rep = Report(limit)
+    try:
+        integrity = await store.recorder.integrity_check(limit)
+    except DatabaseCorrupt as e:  # too damaged for the check itself to read it
+        integrity = IntegrityReport(store.recorder.integrity_check_name,
+                                    problems=[e.cause])
+    for problem in integrity.problems:
+        rep.add("integrity", detail=f"{integrity.check}: {problem}")
+    if integrity.problems:
+        return rep.result(integrity=integrity.to_dict(),
+                          skipped="the ledger and view checks: the database is damaged; "
+                                  "restore a backup (docs/operations.md)")
     await store.open()
     runner = Runner(store)
     if catch_up:
         await runner.catch_up()
-    rep = Report(limit)
     cp = t.checkpoints.c
     async with store.read() as conn:
         await store.recorder.keep_transaction_open(conn)
@@ -48,4 +64,5 @@ async def verify(store: Store, *, catch_up: bool = True, views: bool = True,
         held = await quarantine.summary(conn)
     counts["projections"] = positions
     counts["quarantined"] = {n: q["count"] for n, q in held.items()}
+    counts["integrity"] = integrity.to_dict()
     return rep.result(**counts)

@@ -240,8 +240,8 @@ async def test_cli_restore_refuses_a_torn_register_until_told_to_repair(
         path = await _with_backup_then_forgets(store, tmp_path)
     finally:
         await store.close()
-    data = Path(reg).read_bytes()
-    _write(reg, data[:-25])  # the last line torn
+    torn = b"".join(x + b"\n" for x in _lines(reg))[:-25]  # the last line torn
+    _write(reg, torn)
     cli = Cli(sqlite_url, reg)
     refused = cli.run("restore", str(path), "--force", check=1)
     assert b"--register-damaged repair" in refused.stderr
