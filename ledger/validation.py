@@ -128,13 +128,13 @@ def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> 
         raise _fail(field, "must be an RFC 3339 timestamp string with offset")
     if not _RFC3339_SHAPE.match(v):
         raise _fail(
-            field, f"{v[:40]!r} is not an RFC 3339 timestamp with offset "
+            field, "is not an RFC 3339 timestamp with offset "
             "(e.g. 2026-09-20T10:00:00+08:00)"
         )
     try:
         parse_rfc3339(v)
     except ValueError as e:
-        raise _fail(field, f"{v[:40]!r} is not a valid timestamp: {e}") from None
+        raise _fail(field, f"is not a valid timestamp: {e}") from None
     return v
 
 
@@ -153,7 +153,8 @@ def _namespace(obj: dict[str, Any], key: str, tenant: str, *, min_len: int = 2) 
         if "/" in part or any(ord(c) < 32 or ord(c) == 127 for c in part):
             raise _fail(f"{field}[{i}]", "must not contain '/' or control characters")
     if v[0] != tenant:
-        raise _fail(f"{field}[0]", f"{v[0]!r} must equal tenant {tenant!r}")
+        # The part itself is not echoed: namespace parts may hold what the user typed.
+        raise _fail(f"{field}[0]", f"must equal the event's tenant {tenant!r}")
     return list(v)
 
 
@@ -174,7 +175,7 @@ def _owner_check(kind: str, actor: str, ns: list[str], field: str) -> None:
     if kind in USER_KINDS and ns[1] != actor:
         raise _fail(
             f"{field}[1]",
-            f"{ns[1]!r} must equal actor {actor!r}: a {kind} event writes only the "
+            f"must equal actor {actor!r}: a {kind} event writes only the "
             "actor's own namespace (operator and system_of_record may write on a "
             "user's behalf)",
         )
@@ -475,7 +476,9 @@ def _refs(d: dict[str, Any]) -> dict[str, str] | None:
         raise _fail("data.refs", f"must be an object of at most {MAX_REFS} strings")
     for k, v in refs.items():
         if not isinstance(v, str) or len(v) > MAX_ID_CHARS or len(k) > MAX_ID_CHARS:
-            raise _fail(f"data.refs.{k[:40]}", f"must be a string of at most {MAX_ID_CHARS} chars")
+            # Neither the ref's key nor its value is echoed: either may hold a secret.
+            raise _fail("data.refs", f"each key and value must be a string of at most "
+                        f"{MAX_ID_CHARS} chars")
     return dict(refs)
 
 

@@ -32,10 +32,11 @@ def test_valid_write_is_normalised() -> None:
 
 
 def test_namespace_must_start_with_tenant() -> None:
-    """namespace[0] must equal the tenant, and the message says which values differ."""
+    """namespace[0] must equal the tenant; the message names the tenant, not the part."""
     msg = reject(write("k", 1, ns=["other-tenant", "u7", "p"]))
     assert "data.namespace[0]" in msg
-    assert "'other-tenant' must equal tenant 'shop-a'" in msg
+    assert "data.namespace[0]: must equal the event's tenant 'shop-a'" in msg
+    assert "other-tenant" not in msg  # namespace parts are never echoed (issue 15, 6)
 
 
 @pytest.mark.parametrize("kind", ["tool_output", "retrieved_document"])

@@ -94,3 +94,25 @@ async def test_a_version_conflict_names_the_key_not_the_namespace(store: Store) 
     assert msg.startswith("expected version 0 of slot 'lang' but it is at 1")
     _reveals_nothing(msg)
     assert not isinstance(info.value, ValidationError)
+
+
+@pytest.mark.parametrize(("ns", "hidden"), [
+    (["acct-4111", "u7", "p"], "acct-4111"),        # part 0 is not the tenant
+    (["shop-a", "u8-private", "p"], "u8-private"),  # part 1 is not the actor
+])
+def test_validation_messages_do_not_echo_namespace_parts(ns: list[str], hidden: str) -> None:
+    """Refusals name the field and the rule, never the namespace part the user sent
+    (issue 15, finding 6: parts may hold what the user typed)."""
+    with pytest.raises(ValidationError) as err:
+        parse_event(write("k", 1, ns=ns))
+    assert err.value.field.startswith("data.namespace[")
+    assert hidden not in str(err.value)
+
+
+def test_ref_keys_are_not_echoed() -> None:
+    """A ref whose key or value breaks the length rule is refused without echoing it."""
+    ev = event("task.opened", {"task_key": "T1", "namespace": ["shop-a", "u7"],
+                               "refs": {"k" * 300: "A1"}})
+    with pytest.raises(ValidationError) as err:
+        parse_event(ev)
+    assert err.value.field == "data.refs" and "kkkk" not in str(err.value)
