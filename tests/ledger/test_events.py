@@ -1,4 +1,4 @@
-"""Event model and validation: every rule of CONTRACT.md 1.1-1.2 (R7, R9, R10, R13, R23)."""
+"""Event model and validation: every rule of docs/events.md (R7, R9, R10, R13, R23)."""
 
 from __future__ import annotations
 
