@@ -22,23 +22,6 @@ from typing import Any
 from ledger.events import Event, encode_json
 from ledger.validation import parse_event
 
-__all__ = [
-    "Source",
-    "close_task",
-    "confirm",
-    "correct",
-    "derive_idempotency_key",
-    "forget_key",
-    "forget_memory",
-    "forget_prefix",
-    "note_task",
-    "open_task",
-    "purge_task",
-    "supersede",
-    "wire",
-    "write",
-]
-
 
 def now_rfc3339() -> str:
     """The current time as RFC 3339 with a UTC offset, microsecond precision."""

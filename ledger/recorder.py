@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Final, Protocol
+from typing import Any, ClassVar, Final, NoReturn, Protocol
 
 from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
@@ -157,10 +157,7 @@ class Recorder(ABC):
                 await self.begin_snapshot(conn)
                 yield conn
         except (DatabaseError, OSError) as e:
-            raise_corrupt(e)
-            if not isinstance(e, OperationalError | OSError):
-                raise
-            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+            raise_translated(e)
 
     def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for one statement (a read transaction unless the backend makes
@@ -179,10 +176,7 @@ class Recorder(ABC):
                 async with conn.begin():
                     yield conn
         except (DatabaseError, OSError) as e:
-            raise_corrupt(e)
-            if not isinstance(e, OperationalError | OSError):
-                raise
-            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+            raise_translated(e)
 
     @abstractmethod
     async def integrity_check(self, limit: int) -> IntegrityReport:
@@ -317,6 +311,18 @@ def corrupt_cause(e: BaseException) -> str | None:
         return None
     text = str(e.orig if e.orig is not None else e).lower()
     return next((m for m in CORRUPTION_MESSAGES if m in text), None)
+
+
+def raise_translated(e: BaseException, what: str = "ledger database unavailable") -> NoReturn:
+    """Raise the memledger error a driver error stands for, at the one boundary where
+    they are translated: `DatabaseCorrupt` for a damaged file, `StoreUnavailable` for an
+    operational failure (locked, gone, out of space), `e` itself for anything else (a
+    constraint or programming error is a bug to see, not to retry). Call it from the
+    `except` block that caught `e`."""
+    raise_corrupt(e)
+    if not isinstance(e, OperationalError | OSError):
+        raise e
+    raise StoreUnavailable(f"{what}: {short_error(e)}") from e
 
 
 def raise_corrupt(e: BaseException) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import structlog
 from sqlalchemy import select
-from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -28,7 +28,7 @@ from ledger.errors import MemledgerError, StoreUnavailable
 from ledger.events import Event
 from ledger.forgets import Tombstone, tombstone_from_row
 from ledger.logs import configure_default
-from ledger.recorder import WriteLock, raise_corrupt, short_error
+from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent
 from ledger.register import ForgetRegister, default_register_path
 
@@ -105,10 +105,7 @@ class Store:
                             f"memledger ({t.SCHEMA_VERSION}); upgrade memledger")
                     await conn.commit()
             except (DatabaseError, OSError) as e:
-                raise_corrupt(e)
-                if not isinstance(e, OperationalError | OSError):
-                    raise
-                raise StoreUnavailable(f"cannot open ledger database: {short_error(e)}") from e
+                raise_translated(e, "cannot open ledger database")
             self._opened = True
         return self
 

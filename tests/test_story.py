@@ -1,4 +1,5 @@
-"""The running example of docs/requirements.md (C17 -> C18 -> C19) end to end through the CLI (R1-R13, R24, R27, R29).
+"""The running example of docs/requirements.md, end to end through the CLI
+(R1-R13, R24, R27, R29).
 
 C17 (2026-09-20): u7 reports the left earbud of order A123, the after-sales system opens
 T900 "awaiting inspection", u7 asks for Simplified Chinese from now on. C18 (09-22): a new

@@ -47,19 +47,17 @@ from sqlalchemy import Table
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Insert
 
-from ledger.errors import StoreUnavailable
 from ledger.recorder import (
     EVENT_COLUMNS,
     IntegrityReport,
     Recorder,
     WriteLock,
-    raise_corrupt,
-    short_error,
+    raise_translated,
 )
 
 PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
@@ -134,10 +132,7 @@ class SQLiteRecorder(Recorder):
                 conn = await conn.execution_options(memledger_no_begin=True)
                 yield conn
         except (DatabaseError, OSError) as e:
-            raise_corrupt(e)
-            if not isinstance(e, OperationalError | OSError):
-                raise
-            raise StoreUnavailable(f"ledger database unavailable: {short_error(e)}") from e
+            raise_translated(e)
 
     async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
                             ) -> None:
