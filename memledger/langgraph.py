@@ -102,9 +102,24 @@ def encode_key(key: str) -> str:
     return out
 
 
+def _at_us(order_key: bytes) -> int:
+    return int.from_bytes(order_key[:8], "big") - (1 << 63)
+
+
 def _at(order_key: bytes) -> datetime:
-    at_us = int.from_bytes(order_key[:8], "big") - (1 << 63)
-    return datetime.fromtimestamp(at_us / 1e6, UTC)
+    return datetime.fromtimestamp(_at_us(order_key) / 1e6, UTC)
+
+
+def _lookup(value: dict[str, Any], key: str) -> Any:
+    """A filter key's value: the top-level key, else a dotted path into nested objects."""
+    if key in value or "." not in key:
+        return value.get(key)
+    cur: Any = value
+    for part in key.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
 
 
 def _rfc3339(us: int) -> str:
@@ -167,15 +182,18 @@ class MemledgerStore(BaseStore):
         if index:
             self.index_config = dict(index)
             self.embeddings = ensure_embeddings(index.get("embed"))
+            fields: Any = index.get("fields") or index.get("text_fields") or ["$"]
+            if isinstance(fields, str):
+                fields = [fields]
             self.index_config["__tokenized_fields"] = [
-                (p, tokenize_path(p)) if p != "$" else (p, p)
-                for p in (index.get("fields") or ["$"])]
+                (p, tokenize_path(p)) if p != "$" else (p, p) for p in fields]
         self.source_id = f"langgraph:{name}:{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count(1)
         self._last_us = 0
         self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
         self._ml = MemoryLedger(url)
         self._opened = False
+        self._gate: asyncio.Semaphore | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="memledger-langgraph")
@@ -254,8 +272,19 @@ class MemledgerStore(BaseStore):
     def _owned(self, namespace: Sequence[str]) -> bool:
         return self._owner is None or self._prefix(namespace[:1]) == self._owner
 
+    @property
+    def _refreshes(self) -> bool:
+        """Reads refresh TTLs only when TTLConfig says `refresh_on_read` (as SqliteStore)."""
+        return bool((self.ttl_config or {}).get("refresh_on_read", False))
+
     # -- the batch ---------------------------------------------------------------------
     async def _batch(self, ops: list[Op]) -> list[Result]:
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(4)  # fewer than the ledger's connection pool
+        async with self._gate:
+            return await self._batch_now(ops)
+
+    async def _batch_now(self, ops: list[Op]) -> list[Result]:
         await self._open()
         for op in ops:
             if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
@@ -276,7 +305,7 @@ class MemledgerStore(BaseStore):
                     row = rows.get(tk)
                     if row is not None:
                         results[i] = self._item(row)
-                        if op.refresh_ttl and row.expires_us is not None:
+                        if op.refresh_ttl and self._refreshes and row.expires_us is not None:
                             refresh[tk] = row
             for i, op in enumerate(ops):
                 if isinstance(op, SearchOp):
@@ -303,7 +332,7 @@ class MemledgerStore(BaseStore):
             it = self._item(r)
             if it.namespace[:len(prefix)] != prefix:
                 continue
-            if op.filter and not all(_compare_values(it.value.get(k), v)
+            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
                                      for k, v in op.filter.items()):
                 continue
             items.append((r, it))
@@ -327,7 +356,7 @@ class MemledgerStore(BaseStore):
         else:
             sl = items if plain else items[op.offset:op.offset + op.limit]
             kept = [(None, r, it) for r, it in sl]
-        if op.refresh_ttl:
+        if op.refresh_ttl and self._refreshes:
             for _, r, _it in kept:
                 if r.expires_us is not None:
                     refresh[(r.ns_path, r.mkey)] = r
@@ -402,18 +431,22 @@ class MemledgerStore(BaseStore):
             texts = self._texts(dict(op.value), op.index)
             events.append(self._write_event(op.namespace, op.key, dict(op.value),
                                             self._expires(ttl), texts))
-            if texts and self.embeddings is not None:
-                embed.append((len(events) - 1, texts))
-        ttl_default = (self.ttl_config or {}).get("default_ttl")
+            if self.embeddings is not None:
+                if texts:
+                    embed.append((len(events) - 1, texts))
+                else:
+                    self._vectors[events[-1].data["memory_id"]] = []
         for target, row in refresh.items():
-            if target in dropped or ttl_default is None:
+            if target in dropped:
                 continue
+            # the item's own TTL: its expiry minus the time it was written
+            ttl_minutes = (row.expires_us - _at_us(row.order_key)) / 60e6
             parts = row.ns_path.split(NS_SEP)[1:-1]
             ns = tuple(decode_label(p) for p in parts)
             value = orjson.loads(row.value)
             cached = self._vectors.get(row.memory_id)
             events.append(self._write_event(ns, decode_label(row.mkey), value,
-                                            self._expires(ttl_default),
+                                            self._expires(ttl_minutes),
                                             self._texts(value, None)))
             if cached is not None:
                 self._vectors[events[-1].data["memory_id"]] = cached
