@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -27,11 +27,12 @@ def _created_key() -> Any:
     """SQL: the smallest order key among the slot's unforgotten versions (the first
     write since the key was last forgotten)."""
     f = _first.c
-    return (select(func.min(f.order_key)).where(
+    # ORDER BY ... LIMIT 1, not min(): PostgreSQL has no min(bytea)
+    return (select(f.order_key).where(
         f.tenant == t.mem_versions.c.tenant, f.slot == t.mem_versions.c.slot,
         ~select(t.tombstones.c.position).where(
             covers_sql(t.tombstones.c, f)).exists())
-        .scalar_subquery())
+        .order_by(f.order_key).limit(1).scalar_subquery())
 
 
 def _columns() -> list[Any]:
