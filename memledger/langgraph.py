@@ -567,7 +567,7 @@ class AsyncMemledgerStore(MemledgerStore):
         MemledgerStore.start_ttl_sweeper(self, sweep_interval_minutes)
 
     async def stop_ttl_sweeper(  # type: ignore[override]
-            self, timeout: float | None = None) -> bool:
+            self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 (AsyncSqliteStore)
         return await asyncio.to_thread(self._stop_sweeper, timeout)
 
 

@@ -57,7 +57,8 @@ def main() -> int:
             if ci:
                 return 1
             continue
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "peer"), str(tree)]))
+        path = [str(ROOT), str(ROOT / "tests" / "peer"), str(tree)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         cmd = [sys.executable, "-m", "pytest", "-p", "langgraph_plugin",
                "-p", "no:cacheprovider", "-q", "-o", "addopts=", "-o", "asyncio_mode=auto",
                "--rootdir", str(tree), "-c", str(tree / "pyproject.toml"),
