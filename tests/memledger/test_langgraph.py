@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +95,42 @@ def test_two_processes_lose_nothing(db_url: str) -> None:
             assert sorted(i.key for i in got) == sorted(f"k{i}" for i in range(40))
     finally:
         store.close()
+
+
+async def test_put_replayed_after_restore_does_not_resurrect(tmp_path: Path) -> None:
+    """A backup taken before a delete, restored, then the original put appended again
+    (a retry, a replayed queue): the key stays forgotten (R20, docs/forgetting.md)."""
+    from ledger.store import Store
+    from memledger import MemoryLedger
+    from replay.backup import backup, restore
+
+    reg = str(tmp_path / "a.forgets")
+    a_url = f"sqlite+aiosqlite:///{tmp_path}/a.db"
+    store = MemledgerStore(url=a_url)
+    sent: list[Any] = []
+    real = store._ml.append
+
+    async def recording(events: Any, *, wait: bool = False) -> Any:
+        sent.extend(events if isinstance(events, list) else [events])
+        return await real(events, wait=wait)
+
+    store._ml.append = recording  # type: ignore[method-assign]
+    try:
+        store.put(("u7", "prefs"), "color", {"fav": "teal"})
+        (put,) = sent
+        async with MemoryLedger(a_url, register_path=reg) as ml:
+            await backup(ml.store, tmp_path / "a.backup", progress=False)
+        store.delete(("u7", "prefs"), "color")
+    finally:
+        store.close()
+    b_url = f"sqlite+aiosqlite:///{tmp_path}/b.db"
+    await restore(Store(b_url, register_path=str(tmp_path / "a.db.forgets")),
+                  tmp_path / "a.backup", progress=False)
+    async with MemoryLedger(b_url, register_path=str(tmp_path / "a.db.forgets")) as ml:
+        await ml.append(put, wait=True)
+    again = MemledgerStore(url=b_url)
+    try:
+        assert again.get(("u7", "prefs"), "color") is None
+        assert again.search(("u7",)) == []
+    finally:
+        again.close()
