@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install lint test test-fast demo demo-workers bench clean
+.PHONY: help install lint test test-fast test-langgraph demo demo-workers bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ lint: $(STAMP) ## ruff and mypy (strict) on the packages
 
 test: $(STAMP) ## the whole suite (PostgreSQL and Redis tests skip without the servers, fail when CI=true)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-langgraph: $(STAMP) ## LangGraph's own store tests (fetched at test time) against memledger.langgraph
+	$(BIN)/python tests/peer/run_langgraph.py $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## the suite without the slow integration tests
 	$(BIN)/pytest -m 'not slow' $(PYTEST_ARGS)

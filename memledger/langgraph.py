@@ -1,0 +1,583 @@
+"""LangGraph's `BaseStore` over a memledger ledger: `MemledgerStore` (docs/langgraph.md).
+
+`MemledgerStore()` is a drop-in for `InMemoryStore()` (a private temporary SQLite
+ledger, removed on close), `MemledgerStore.from_conn_string(url)` for `SqliteStore`,
+`AsyncMemledgerStore.from_conn_string(url)` for `AsyncSqliteStore`. Each put is a
+`memory.written` event (operator source naming the store, source time now with a
+sequence), each delete a `memory.forgotten` (erased as every forget is, R20), so the
+store keeps history (`history()`) and forgets that hold. Install with the extra
+`memledger[langgraph]`; the core does not import LangGraph.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
+
+import numpy as np
+import orjson
+from langgraph.store.base import (
+    BaseStore,
+    GetOp,
+    IndexConfig,
+    InvalidNamespaceError,
+    Item,
+    ListNamespacesOp,
+    Op,
+    PutOp,
+    Result,
+    SearchItem,
+    SearchOp,
+    TTLConfig,
+    ensure_embeddings,
+    get_text_at_path,
+    tokenize_path,
+    validate_op_namespace,
+)
+from langgraph.store.memory import _compare_values, _does_match
+
+from ledger import builders
+from ledger.builders import Source
+from ledger.errors import AccessDenied
+from ledger.events import NS_SEP, Event, ns_path
+from ledger.validation import MAX_ID_CHARS, MAX_NS_PART_CHARS, MAX_TEXT_CHARS
+from memledger._ledger import MemoryLedger
+from memledger.results import MemoryVersion
+from projections import reads, store_reads
+
+T = TypeVar("T")
+
+#: memledger namespaces have at most 8 parts; the first is the tenant.
+MAX_LABELS = 7
+_ESC = "~"
+
+
+# -- the reversible mapping ----------------------------------------------------------
+def _safe(text: str, max_chars: int) -> bool:
+    return (bool(text) and len(text) <= max_chars and "/" not in text
+            and not text.startswith(_ESC)
+            and not any(ord(c) < 32 or ord(c) == 127 for c in text))
+
+
+def encode_label(label: str, max_chars: int = MAX_NS_PART_CHARS) -> str:
+    """A LangGraph label as a memledger namespace part: as it is where memledger accepts
+    it, else `~` and its percent-encoding (so `/`, control characters and a leading `~`
+    round-trip)."""
+    if _safe(label, max_chars):
+        return label
+    out = _ESC + quote(label, safe="")
+    if len(out) > max_chars:
+        raise InvalidNamespaceError(
+            f"label {label[:40]!r} is longer than memledger's {max_chars}-character limit "
+            "once encoded")
+    return out
+
+
+def decode_label(part: str) -> str:
+    """The inverse of `encode_label`."""
+    return unquote(part[1:]) if part.startswith(_ESC) else part
+
+
+def encode_key(key: str) -> str:
+    """A LangGraph key as a memledger key (the same encoding as a label)."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a string, got {type(key).__name__}")
+    if _safe(key, MAX_ID_CHARS):
+        return key
+    out = _ESC + quote(key, safe="")
+    if len(out) > MAX_ID_CHARS:
+        raise ValueError(f"key {key[:40]!r} is longer than {MAX_ID_CHARS} characters encoded")
+    return out
+
+
+def _at_us(order_key: bytes) -> int:
+    return int.from_bytes(order_key[:8], "big") - (1 << 63)
+
+
+def _at(order_key: bytes) -> datetime:
+    return datetime.fromtimestamp(_at_us(order_key) / 1e6, UTC)
+
+
+def _lookup(value: dict[str, Any], key: str) -> Any:
+    """A filter key's value: the top-level key, else a dotted path into nested objects."""
+    if key in value or "." not in key:
+        return value.get(key)
+    cur: Any = value
+    for part in key.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def _rfc3339(us: int) -> str:
+    return datetime.fromtimestamp(us / 1e6, UTC).isoformat(timespec="microseconds")
+
+
+def _cosine(q: np.ndarray[Any, Any], m: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    qn = float(np.linalg.norm(q))
+    mn = np.linalg.norm(m, axis=1)
+    out = np.zeros(len(m))
+    ok = (mn != 0) & (qn != 0)
+    out[ok] = (m[ok] @ q) / (mn[ok] * qn)
+    return out
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+              ml: MemoryLedger, tmpdir: str | None) -> None:
+    if loop.is_running():
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(ml.close(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():
+            thread.join(timeout=30)
+    if not loop.is_running():
+        loop.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class MemledgerStore(BaseStore):
+    """A LangGraph store whose items are memledger memories (docs/langgraph.md).
+
+    `url=None` opens a private temporary SQLite ledger removed on `close()` (or when
+    the store is garbage-collected); `url=` any memledger URL (SQLite or PostgreSQL).
+    Namespaces `(a, b, ...)` are stored as `[tenant, a, b, ...]`. `principal=
+    "TENANT/USER"` scopes the store to the namespaces whose first label is USER, in
+    the SQL of every read.
+    """
+
+    supports_ttl: bool = True
+
+    def __init__(self, *, index: IndexConfig | None = None, ttl: TTLConfig | None = None,
+                 url: str | None = None, tenant: str = "langgraph",
+                 principal: str | None = None, name: str = "MemledgerStore") -> None:
+        self._tmpdir: str | None = None
+        if url is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="memledger-langgraph-")
+            url = f"sqlite+aiosqlite:///{self._tmpdir}/store.db"
+        self.url = url
+        self.tenant = tenant
+        self.ttl_config = ttl
+        self._owner: str | None = None
+        if principal is not None:
+            who = reads.Principal.parse(principal)
+            if who.tenant != tenant:
+                raise AccessDenied(f"principal {principal!r} is not of tenant {tenant!r}")
+            self._owner = ns_path([tenant, encode_label(who.user)])
+        self.index_config: dict[str, Any] | None = None
+        self.embeddings: Any = None
+        if index:
+            self.index_config = dict(index)
+            self.embeddings = ensure_embeddings(index.get("embed"))
+            fields: Any = index.get("fields") or index.get("text_fields") or ["$"]
+            if isinstance(fields, str):
+                fields = [fields]
+            self.index_config["__tokenized_fields"] = [
+                (p, tokenize_path(p)) if p != "$" else (p, p) for p in fields]
+        self.source_id = f"langgraph:{name}:{uuid.uuid4().hex[:12]}"
+        self._seq = itertools.count(1)
+        self._last_us = 0
+        self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
+        self._ml = MemoryLedger(url)
+        self._opened = False
+        self._gate: asyncio.Semaphore | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="memledger-langgraph")
+        self._thread.start()
+        self._sweeper: threading.Thread | None = None
+        self._sweep_stop = threading.Event()
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread,
+                                           self._ml, self._tmpdir)
+
+    # -- life cycle --------------------------------------------------------------------
+    @classmethod
+    @contextlib.contextmanager
+    def from_conn_string(cls, conn_string: str, *, index: IndexConfig | None = None,
+                         ttl: TTLConfig | None = None, **kwargs: Any
+                         ) -> Iterator[MemledgerStore]:
+        """A store over `conn_string` (a memledger URL, a SQLite file path, or
+        `:memory:` for a private temporary ledger), closed on exit."""
+        store = cls(index=index, ttl=ttl, url=_url(conn_string), **kwargs)
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def setup(self) -> None:
+        """Open the ledger (creating the schema of a new one)."""
+        self._call(self._open())
+
+    def close(self) -> None:
+        """Stop the sweeper, release the ledger, remove a private temporary ledger."""
+        self._stop_sweeper()
+        self._finalizer()
+
+    async def _open(self) -> None:
+        if not self._opened:
+            await self._ml.open()
+            self._opened = True
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("MemledgerStore: a sync call from inside its own loop")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _acall(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # -- BaseStore ---------------------------------------------------------------------
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        return self._call(self._batch(list(ops)))
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        return await self._acall(self._batch(list(ops)))
+
+    # -- the mapping -------------------------------------------------------------------
+    def _ns(self, namespace: Sequence[str]) -> list[str]:
+        if len(namespace) > MAX_LABELS:
+            raise InvalidNamespaceError(
+                f"memledger stores at most {MAX_LABELS} namespace labels, got {namespace}")
+        return [self.tenant, *(encode_label(x) for x in namespace)]
+
+    def _prefix(self, namespace: Sequence[str]) -> str:
+        return ns_path(self._ns(namespace[:MAX_LABELS]))
+
+    def _item(self, row: Any, cls: type[Item] = Item, **extra: Any) -> Any:
+        parts = row.ns_path.split(NS_SEP)[1:-1]
+        return cls(namespace=tuple(decode_label(p) for p in parts),
+                   key=decode_label(row.mkey), value=orjson.loads(row.value),
+                   created_at=_at(row.created_key or row.order_key),
+                   updated_at=_at(row.order_key), **extra)
+
+    def _source(self) -> Source:
+        now = max(time.time_ns() // 1000, self._last_us)
+        self._last_us = now
+        return Source.operator(self.source_id, seq=next(self._seq), at=_rfc3339(now))
+
+    def _owned(self, namespace: Sequence[str]) -> bool:
+        return self._owner is None or self._prefix(namespace[:1]) == self._owner
+
+    @property
+    def _refreshes(self) -> bool:
+        """Reads refresh TTLs only when TTLConfig says `refresh_on_read` (as SqliteStore)."""
+        return bool((self.ttl_config or {}).get("refresh_on_read", False))
+
+    # -- the batch ---------------------------------------------------------------------
+    async def _batch(self, ops: list[Op]) -> list[Result]:
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(4)  # fewer than the ledger's connection pool
+        async with self._gate:
+            return await self._batch_now(ops)
+
+    async def _batch_now(self, ops: list[Op]) -> list[Result]:
+        await self._open()
+        for op in ops:
+            if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
+                raise ValueError(f"Unknown operation type: {type(op)}")
+            validate_op_namespace(op)
+        results: list[Result] = [None] * len(ops)
+        now_us = time.time_ns() // 1000
+        refresh: dict[tuple[str, str], Any] = {}
+        async with self._ml.store.read() as conn:
+            gets = [(i, op) for i, op in enumerate(ops) if isinstance(op, GetOp)]
+            if gets:
+                targets = [(ns_path(self._ns(op.namespace)), encode_key(op.key))
+                           for _, op in gets]
+                rows = {(r.ns_path, r.mkey): r for r in await store_reads.get_many(
+                    conn, self.tenant, list(set(targets)), now_us=now_us,
+                    owner_prefix=self._owner)}
+                for (i, op), tk in zip(gets, targets, strict=True):
+                    row = rows.get(tk)
+                    if row is not None:
+                        results[i] = self._item(row)
+                        if op.refresh_ttl and self._refreshes and row.expires_us is not None:
+                            refresh[tk] = row
+            for i, op in enumerate(ops):
+                if isinstance(op, SearchOp):
+                    results[i] = await self._search(conn, op, now_us, refresh)
+                elif isinstance(op, ListNamespacesOp):
+                    results[i] = await self._list(conn, op, now_us)
+        puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
+        for op in ops:
+            if isinstance(op, PutOp):
+                puts[(tuple(op.namespace), op.key)] = op
+        await self._write(list(puts.values()), refresh)
+        return results
+
+    async def _search(self, conn: Any, op: SearchOp, now_us: int,
+                      refresh: dict[tuple[str, str], Any]) -> list[SearchItem]:
+        prefix = tuple(op.namespace_prefix)
+        ranked = bool(op.query and self.embeddings)
+        plain = not op.filter and not ranked and len(prefix) <= MAX_LABELS
+        rows = await store_reads.below(
+            conn, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
+            limit=op.limit if plain else None, offset=op.offset if plain else 0)
+        items: list[tuple[Any, Item]] = []
+        for r in rows:
+            it = self._item(r)
+            if it.namespace[:len(prefix)] != prefix:
+                continue
+            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
+                                     for k, v in op.filter.items()):
+                continue
+            items.append((r, it))
+        if ranked:
+            assert op.query is not None
+            q = np.asarray(await self.embeddings.aembed_query(op.query), dtype=float)
+            scored: list[tuple[float, int, Any, Item]] = []
+            scoreless: list[tuple[Any, Item]] = []
+            for n, (r, it) in enumerate(items):
+                vecs = await self._vectors_of(r.memory_id, it.value)
+                if not vecs:
+                    scoreless.append((r, it))
+                    continue
+                score = float(_cosine(q, np.asarray(vecs, dtype=float)).max())
+                scored.append((score, n, r, it))
+            scored.sort(key=lambda x: (-x[0], x[1]))
+            page = scored[op.offset:op.offset + op.limit]
+            kept: list[tuple[float | None, Any, Item]] = [(s, r, it) for s, _, r, it in page]
+            if scoreless and len(kept) < op.limit:
+                kept.extend((None, r, it) for r, it in scoreless[:op.limit - len(kept)])
+        else:
+            sl = items if plain else items[op.offset:op.offset + op.limit]
+            kept = [(None, r, it) for r, it in sl]
+        if op.refresh_ttl and self._refreshes:
+            for _, r, _it in kept:
+                if r.expires_us is not None:
+                    refresh[(r.ns_path, r.mkey)] = r
+        return [SearchItem(namespace=it.namespace, key=it.key, value=it.value,
+                           created_at=it.created_at, updated_at=it.updated_at, score=s)
+                for s, _, it in kept]
+
+    async def _list(self, conn: Any, op: ListNamespacesOp, now_us: int
+                    ) -> list[tuple[str, ...]]:
+        paths = await store_reads.namespaces(conn, self.tenant, now_us=now_us,
+                                             owner_prefix=self._owner)
+        nss = [tuple(decode_label(p) for p in path.split(NS_SEP)[1:-1]) for path in paths]
+        if op.match_conditions:
+            nss = [ns for ns in nss if all(_does_match(c, ns) for c in op.match_conditions)]
+        if op.max_depth is not None:
+            nss = sorted({ns[:op.max_depth] for ns in nss})
+        else:
+            nss = sorted(set(nss))
+        return nss[op.offset:op.offset + op.limit]
+
+    # -- vectors -----------------------------------------------------------------------
+    def _texts(self, value: dict[str, Any], index: Any) -> list[str]:
+        if self.index_config is None or index is False:
+            return []
+        paths = (self.index_config["__tokenized_fields"] if index is None
+                 else [(p, tokenize_path(p)) for p in index])
+        out: list[str] = []
+        for _path, field in paths:
+            out.extend(get_text_at_path(value, field))
+        return out
+
+    async def _vectors_of(self, memory_id: str, value: dict[str, Any]) -> list[list[float]]:
+        got = self._vectors.get(memory_id)
+        if got is None:
+            texts = self._texts(value, None)
+            got = list(await self.embeddings.aembed_documents(texts)) if texts else []
+            self._vectors[memory_id] = got
+        return got
+
+    # -- writes ------------------------------------------------------------------------
+    def _expires(self, ttl_minutes: float | None) -> str | None:
+        if ttl_minutes is None:
+            return None
+        return (datetime.now(UTC) + timedelta(minutes=ttl_minutes)).isoformat(
+            timespec="microseconds")
+
+    def _write_event(self, namespace: Sequence[str], key: str, value: dict[str, Any],
+                     expires_at: str | None, texts: list[str]) -> Event:
+        text = "\n".join(texts) if texts else key
+        return builders.write(
+            tenant=self.tenant, actor=self.source_id, namespace=self._ns(namespace),
+            key=encode_key(key), value=value, source=self._source(),
+            expires_at=expires_at, text=text[:MAX_TEXT_CHARS])
+
+    async def _write(self, puts: list[PutOp], refresh: dict[tuple[str, str], Any]) -> None:
+        events: list[Event] = []
+        embed: list[tuple[int, list[str]]] = []
+        dropped: set[tuple[str, str]] = set()
+        for op in puts:
+            if not self._owned(op.namespace):
+                raise AccessDenied(f"namespace {op.namespace} is outside this store's "
+                                   "principal")
+            target = (ns_path(self._ns(op.namespace)), encode_key(op.key))
+            dropped.add(target)
+            if op.value is None:
+                events.append(builders.forget_key(
+                    tenant=self.tenant, actor=self.source_id, namespace=self._ns(op.namespace),
+                    key=encode_key(op.key), source=self._source(),
+                    reason="deleted through the LangGraph store"))
+                continue
+            ttl = op.ttl
+            texts = self._texts(dict(op.value), op.index)
+            events.append(self._write_event(op.namespace, op.key, dict(op.value),
+                                            self._expires(ttl), texts))
+            if self.embeddings is not None:
+                if texts:
+                    embed.append((len(events) - 1, texts))
+                else:
+                    self._vectors[events[-1].data["memory_id"]] = []
+        for target, row in refresh.items():
+            if target in dropped:
+                continue
+            # the item's own TTL: its expiry minus the time it was written
+            ttl_minutes = (row.expires_us - _at_us(row.order_key)) / 60e6
+            parts = row.ns_path.split(NS_SEP)[1:-1]
+            ns = tuple(decode_label(p) for p in parts)
+            value = orjson.loads(row.value)
+            cached = self._vectors.get(row.memory_id)
+            events.append(self._write_event(ns, decode_label(row.mkey), value,
+                                            self._expires(ttl_minutes),
+                                            self._texts(value, None)))
+            if cached is not None:
+                self._vectors[events[-1].data["memory_id"]] = cached
+        if not events:
+            return
+        if embed:
+            flat = [t for _, texts in embed for t in texts]
+            vecs = list(await self.embeddings.aembed_documents(flat))
+            n = 0
+            for i, texts in embed:
+                self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
+                n += len(texts)
+        await self._ml.append(events, wait=True)
+
+    # -- TTL ---------------------------------------------------------------------------
+    async def _sweep(self) -> int:
+        await self._open()
+        now_us = time.time_ns() // 1000
+        async with self._ml.store.read() as conn:
+            due = await store_reads.expired(conn, self.tenant, now_us=now_us)
+        if not due:
+            return 0
+        events = [builders.forget_key(
+            tenant=self.tenant, actor=self.source_id, namespace=path.split(NS_SEP)[:-1],
+            key=key, source=self._source(), reason="ttl expired") for path, key in due]
+        await self._ml.append(events, wait=True)
+        return len(due)
+
+    def sweep_ttl(self) -> int:
+        """Forget every expired item (each one a `memory.forgotten`); returns how many."""
+        return self._call(self._sweep())
+
+    def start_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> None:
+        """Sweep every `sweep_interval_minutes` (TTLConfig's, default 5) in a thread."""
+        if self._sweeper is not None:
+            return
+        minutes = sweep_interval_minutes or (self.ttl_config or {}).get(
+            "sweep_interval_minutes") or 5
+        self._sweep_stop.clear()
+
+        def run() -> None:
+            while not self._sweep_stop.wait(minutes * 60):
+                with contextlib.suppress(Exception):
+                    self._call(self._sweep())
+
+        self._sweeper = threading.Thread(target=run, daemon=True, name="memledger-ttl")
+        self._sweeper.start()
+
+    def stop_ttl_sweeper(self, timeout: float | None = None) -> bool:
+        """Stop the sweeper thread; True when it has stopped."""
+        return self._stop_sweeper(timeout)
+
+    def _stop_sweeper(self, timeout: float | None = None) -> bool:
+        if self._sweeper is None:
+            return True
+        self._sweep_stop.set()
+        self._sweeper.join(timeout)
+        stopped = not self._sweeper.is_alive()
+        if stopped:
+            self._sweeper = None
+        return stopped
+
+    # -- beyond LangGraph --------------------------------------------------------------
+    async def _history(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
+        await self._open()
+        ns = self._ns(namespace)
+        if not self._owned(namespace):
+            return []
+        who = reads.Principal(self.tenant, ns[1])
+        async with self._ml.store.read() as conn:
+            rows = await reads.history(conn, who, ns, encode_key(key))
+        return [MemoryVersion.from_dict(r) for r in rows]
+
+    def history(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
+        """Every version of an item, oldest first, with its source; forgotten ones
+        redacted (memledger's `Principal.history`)."""
+        return self._call(self._history(tuple(namespace), key))
+
+    async def ahistory(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
+        """`history`, awaitable."""
+        return await self._acall(self._history(tuple(namespace), key))
+
+
+class AsyncMemledgerStore(MemledgerStore):
+    """`MemledgerStore` with `AsyncSqliteStore`'s surface: an async `from_conn_string`,
+    `setup`, `sweep_ttl` and sweeper; sync calls from the event loop raise
+    `asyncio.InvalidStateError`, as there."""
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def from_conn_string(cls, conn_string: str, *,  # type: ignore[override]
+                               index: IndexConfig | None = None,
+                               ttl: TTLConfig | None = None, **kwargs: Any
+                               ) -> AsyncIterator[AsyncMemledgerStore]:
+        store = cls(index=index, ttl=ttl, url=_url(conn_string), **kwargs)
+        try:
+            yield store
+        finally:
+            await asyncio.to_thread(store.close)
+
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return super().batch(ops)
+        raise asyncio.InvalidStateError(
+            "synchronous calls to AsyncMemledgerStore from the event loop thread would "
+            "block it; use the a* methods")
+
+    async def setup(self) -> None:  # type: ignore[override]
+        await self._acall(self._open())
+
+    async def sweep_ttl(self) -> int:  # type: ignore[override]
+        return await self._acall(self._sweep())
+
+    async def start_ttl_sweeper(  # type: ignore[override]
+            self, sweep_interval_minutes: float | None = None) -> None:
+        MemledgerStore.start_ttl_sweeper(self, sweep_interval_minutes)
+
+    async def stop_ttl_sweeper(  # type: ignore[override]
+            self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 (AsyncSqliteStore)
+        return await asyncio.to_thread(self._stop_sweeper, timeout)
+
+
+def _url(conn_string: str) -> str | None:
+    if conn_string == ":memory:":
+        return None
+    if "://" in conn_string:
+        return conn_string
+    return f"sqlite+aiosqlite:///{os.path.abspath(conn_string)}"
+
+
+__all__ = ["AsyncMemledgerStore", "MemledgerStore", "decode_label", "encode_key",
+           "encode_label"]

@@ -1,0 +1,136 @@
+"""memledger.langgraph.MemledgerStore beyond LangGraph's own suites (docs/langgraph.md).
+
+A delete is a forget (R20), writers in two processes lose nothing (R16), and a
+principal-scoped store reads only its user's namespaces, checked in SQL (R24).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langgraph.store.base")
+
+from memledger.langgraph import MemledgerStore, decode_label, encode_key, encode_label
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_labels_memledger_refuses_round_trip(sqlite_url: str) -> None:
+    for label in ["a/b", "x\n", "~tilde", "ok"]:
+        assert decode_label(encode_label(label)) == label
+    assert encode_label("ok") == "ok"
+    store = MemledgerStore(url=sqlite_url)
+    try:
+        store.put(("u/1", "line\n"), "k/1", {"v": 1})
+        assert store.get(("u/1", "line\n"), "k/1").value == {"v": 1}  # type: ignore[union-attr]
+        assert store.list_namespaces() == [("u/1", "line\n")]
+        assert encode_key("k/1") != "k/1"
+    finally:
+        store.close()
+
+
+def test_delete_is_a_forget(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/lg.db"
+    marker = "zq-marker-7731-unforgettable"
+    store = MemledgerStore(url=url)
+    try:
+        store.put(("u7", "prefs"), "color", {"fav": marker})
+        store.put(("u7", "prefs"), "other", {"fav": "kept"})
+        store.delete(("u7", "prefs"), "color")
+        assert store.get(("u7", "prefs"), "color") is None
+        hist = store.history(("u7", "prefs"), "color")
+        assert [v.status for v in hist] == ["forgotten"]
+        assert hist[0].redacted and hist[0].value is None
+        assert store.get(("u7", "prefs"), "other") is not None
+    finally:
+        store.close()
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            assert marker.encode() not in f.read_bytes(), f"value left in {f.name}"
+
+
+def test_principal_scope_sees_only_its_user(db_url: str) -> None:
+    admin = MemledgerStore(url=db_url)
+    try:
+        admin.put(("u7", "prefs"), "lang", {"v": "zh"})
+        admin.put(("u8", "prefs"), "lang", {"v": "en"})
+        u7 = MemledgerStore(url=db_url, principal="langgraph/u7")
+        try:
+            assert u7.get(("u8", "prefs"), "lang") is None
+            assert u7.get(("u7", "prefs"), "lang") is not None
+            assert [i.namespace for i in u7.search(())] == [("u7", "prefs")]
+            assert [i.namespace for i in u7.search(("u8",))] == []
+            assert u7.list_namespaces() == [("u7", "prefs")]
+            assert u7.history(("u8", "prefs"), "lang") == []
+        finally:
+            u7.close()
+    finally:
+        admin.close()
+
+
+WRITER = """
+import sys
+from memledger.langgraph import MemledgerStore
+s = MemledgerStore(url=sys.argv[1])
+for i in range(40):
+    s.put(("w", sys.argv[2]), f"k{i}", {"i": i})
+s.close()
+"""
+
+
+def test_two_processes_lose_nothing(db_url: str) -> None:
+    MemledgerStore(url=db_url).close()  # the schema, before two processes race for it
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, db_url, name], cwd=ROOT)
+             for name in ("p1", "p2")]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    store = MemledgerStore(url=db_url)
+    try:
+        for name in ("p1", "p2"):
+            got = store.search(("w", name), limit=1000)
+            assert sorted(i.key for i in got) == sorted(f"k{i}" for i in range(40))
+    finally:
+        store.close()
+
+
+async def test_put_replayed_after_restore_does_not_resurrect(tmp_path: Path) -> None:
+    """A backup taken before a delete, restored, then the original put appended again
+    (a retry, a replayed queue): the key stays forgotten (R20, docs/forgetting.md)."""
+    from ledger.store import Store
+    from memledger import MemoryLedger
+    from replay.backup import backup, restore
+
+    reg = str(tmp_path / "a.forgets")
+    a_url = f"sqlite+aiosqlite:///{tmp_path}/a.db"
+    store = MemledgerStore(url=a_url)
+    sent: list[Any] = []
+    real = store._ml.append
+
+    async def recording(events: Any, *, wait: bool = False) -> Any:
+        sent.extend(events if isinstance(events, list) else [events])
+        return await real(events, wait=wait)
+
+    store._ml.append = recording  # type: ignore[method-assign]
+    try:
+        store.put(("u7", "prefs"), "color", {"fav": "teal"})
+        (put,) = sent
+        async with MemoryLedger(a_url, register_path=reg) as ml:
+            await backup(ml.store, tmp_path / "a.backup", progress=False)
+        store.delete(("u7", "prefs"), "color")
+    finally:
+        store.close()
+    b_url = f"sqlite+aiosqlite:///{tmp_path}/b.db"
+    await restore(Store(b_url, register_path=str(tmp_path / "a.db.forgets")),
+                  tmp_path / "a.backup", progress=False)
+    async with MemoryLedger(b_url, register_path=str(tmp_path / "a.db.forgets")) as ml:
+        await ml.append(put, wait=True)
+    again = MemledgerStore(url=b_url)
+    try:
+        assert again.get(("u7", "prefs"), "color") is None
+        assert again.search(("u7",)) == []
+    finally:
+        again.close()
