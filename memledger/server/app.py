@@ -280,6 +280,9 @@ async def operator_of(info: Identity) -> KeyInfo:
     return info
 
 
+Operator = Annotated[KeyInfo, Depends(operator_of)]
+
+
 def _own(u: Principal, body: m.Owner) -> None:
     """A body that names a principal must name the key's own."""
     if body.tenant is not None and body.tenant != u.tenant:
@@ -443,7 +446,7 @@ def _routes(metrics: Metrics) -> APIRouter:
     async def post_events(request: Request, info: Identity,
                           body: Annotated[dict[str, Any] | list[dict[str, Any]], Body(
                               description="one wire event or a list (docs/events.md)")],
-                          wait: Wait = True) -> dict[str, Any]:
+                          wait: Wait = True) -> Any:
         """Append wire events, each on its own, with `memledger append`'s results.
 
         For a tenant's service key and the operator's; a tenant key writes its own
@@ -502,10 +505,11 @@ def _routes(metrics: Metrics) -> APIRouter:
             if wait and top > 0:
                 await ml.runner.catch_up(upto=top)
         done = [x for x in results if x is not None]
-        return {"results": done, "rejected": sum(x["status"] == "rejected" for x in done)}
+        # As `memledger append` prints them: absent keys stay absent (not null).
+        return JSONResponse({"results": done,
+                             "rejected": sum(x["status"] == "rejected" for x in done)})
 
     # -- operator routes ---------------------------------------------------------------
-    Operator = Annotated[KeyInfo, Depends(operator_of)]
 
     @r.get("/v1/status", tags=["operator"])
     async def status(request: Request, _: Operator) -> dict[str, Any]:
