@@ -327,8 +327,18 @@ Wait = Annotated[bool, Query(description="return once durable and readable (defa
 
 # -- the routes ---------------------------------------------------------------------------
 
+async def no_nul(request: Request) -> None:
+    """Refuse a NUL character in a query or path parameter (422): no database stores it
+    in text (PostgreSQL refuses it), so no stored name can contain one."""
+    for where, params in (("query", request.query_params), ("path", request.path_params)):
+        for name, value in params.items():
+            if "\x00" in str(value):
+                raise Problem(422, "invalid request", "must not contain a NUL character",
+                              field=f"{where}.{name}", rule="no_nul")
+
+
 def _routes(metrics: Metrics) -> APIRouter:
-    r = APIRouter(responses=ERROR_RESPONSES)
+    r = APIRouter(responses=ERROR_RESPONSES, dependencies=[Depends(no_nul)])
 
     async def submit(request: Request, ev: Event, wait: bool) -> AppendResult | PublishResult:
         res = await _ledger(request).submit(ev, wait=wait)

@@ -446,3 +446,14 @@ def test_keys_commands(tmp_path: Path) -> None:
     finally:
         err = srv.stop()
     assert made["key"].encode() not in err and secret not in err
+
+
+def test_nul_in_a_parameter_is_a_422(served: tuple[Server, dict[str, str]]) -> None:
+    """A NUL character in a query or path parameter is refused with the field named (a
+    schemathesis find: PostgreSQL stores no NUL in text)."""
+    srv, ks = served
+    with srv.client(ks["u7"]) as u7:
+        r = u7.get("/v1/memories", params={"namespace": "a\x00b", "key": "k"})
+        assert r.status_code == 422 and r.json()["field"] == "query.namespace"
+        r = u7.get("/v1/memories/m%00x")
+        assert r.status_code == 422 and r.json()["field"] == "path.memory_id"
