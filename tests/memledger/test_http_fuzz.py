@@ -19,13 +19,14 @@ CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "response_schema_conformance")
 
 
-def fuzz(srv: Server, key: str, examples: int) -> subprocess.CompletedProcess[str]:
-    """One bounded `st run` against the running server with `key`."""
+def fuzz(srv: Server, key: str, examples: int, cwd: Path
+         ) -> subprocess.CompletedProcess[str]:
+    """One bounded `st run` against the running server with `key` (its cache in `cwd`)."""
     return subprocess.run(
         [str(ST), "run", f"{srv.url}/openapi.json", "-H", f"Authorization: Bearer {key}",
          "--checks", CHECKS, "--max-examples", str(examples), "-w", "1", "--no-color",
          "--phases", "coverage,fuzzing,stateful", "--seed", "20261201"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=cwd,
         env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
 
 
@@ -39,7 +40,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_mismatch(db_url: str, tmp_path:
     srv = Server(db_url, reg, "--rate-limit", "0")
     try:
         for key, examples in ((user, 12), (op, 6)):
-            res = fuzz(srv, key, examples)
+            res = fuzz(srv, key, examples, tmp_path)
             assert res.returncode == 0, res.stdout[-6000:]
             assert " passed" in res.stdout and "16/16" in res.stdout
     finally:
