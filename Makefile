@@ -15,7 +15,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,server]'
 	@touch $(STAMP)
 
 install: $(STAMP) ## create .venv and install memledger with its dev tools

@@ -172,6 +172,28 @@ quarantine = Table(
 LEDGER_TABLES: Final = (events, tombstones, task_owners, meta, checkpoints, dead_letters,
                         recall_audit, recall_audit_items, quarantine)
 
+# -- API keys of the HTTP API -------------------------------------------------------------
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    # The key's public id (the part of the key before its secret): what `keys list`
+    # shows and `keys revoke` takes.
+    Column("key_id", String(32), primary_key=True),
+    # HMAC-SHA256 of the whole key (`ledger.keys`): the key itself is never stored.
+    Column("digest", String(64), nullable=False),
+    Column("kind", String(16), nullable=False),  # principal | tenant | operator
+    Column("tenant", String(128), nullable=True),
+    Column("user_id", String(256), nullable=True),
+    Column("label", Text, nullable=True),
+    Column("created_at", String(40), nullable=False),
+    Column("revoked_at", String(40), nullable=True),
+)
+
+#: Not part of the ledger's record (a backup does not carry them) and not a view: the
+#: credentials of the HTTP API, created and revoked by the operator.
+AUTH_TABLES: Final = (api_keys,)
+
 # -- views --------------------------------------------------------------------------------
 
 mem_versions = Table(

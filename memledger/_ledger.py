@@ -74,6 +74,11 @@ class MemoryLedger:
             self._publisher = None
         await self.store.close()
 
+    @property
+    def broker_url(self) -> str | None:
+        """The broker `wait=False` publishes to, if the ledger was opened with one."""
+        return self._broker_url
+
     def principal(self, tenant: str, user: str | None = None) -> Principal:
         """One user's memory: `ml.principal("shop-a", "u7")` or `ml.principal("shop-a/u7")`."""
         if user is None:
@@ -298,6 +303,21 @@ class Principal:
             got = await reads.get(conn, self._who, self.namespace(namespace), key,
                                   now_us=_now_us(), task=task, session=session)
         return Memory.from_dict(got) if got.get("found") else None
+
+    async def get_by_id(self, memory_id: str) -> Memory | None:
+        """One memory version by its id, if this user may read it; else `None`.
+
+        Active, candidate or superseded versions are returned (`status` says which);
+        a forgotten or expired one, another user's and an unknown id are all `None`.
+        """
+        async with self.ledger.store.read_once() as conn:
+            got = await reads.get_by_id(conn, self._who, memory_id, now_us=_now_us())
+        return Memory.from_dict(got) if got.get("found") else None
+
+    async def covered_by(self, position: int) -> list[str]:
+        """The ids of this user's memory versions the forget at `position` covers."""
+        async with self.ledger.store.read() as conn:
+            return await reads.covered_by(conn, self._who, position)
 
     async def history(self, namespace: Sequence[str], key: str) -> list[MemoryVersion]:
         """Every version of a key, oldest first; forgotten ones redacted."""

@@ -199,3 +199,32 @@ async def history(conn: AsyncConnection, who: Principal, namespace: list[str], k
         item["superseded_by"] = r.superseded_by
         out.append(item)
     return out
+
+
+async def get_by_id(conn: AsyncConnection, who: Principal, memory_id: str, *, now_us: int
+                    ) -> dict[str, Any]:
+    """One memory version by its id, if the principal may read it.
+
+    The same filters as `get` (the principal's prefix in the SQL, unexpired, covered by
+    no tombstone), but any status but forgotten: an active, candidate or superseded
+    version. Another user's id and an unknown id both give `{"found": False}`.
+    """
+    mv = t.mem_versions.c
+    row = (await conn.execute(select(t.mem_versions).where(
+        mv.tenant == who.tenant, prefix_match(mv.ns_path, who.prefix),
+        mv.memory_id == memory_id, mv.status != "forgotten", not_expired(now_us),
+        not_forgotten()))).first()
+    if row is None:
+        return {"found": False}
+    return {"found": True, **memory_item(row), "superseded_by": row.superseded_by}
+
+
+async def covered_by(conn: AsyncConnection, who: Principal, position: int) -> list[str]:
+    """The ids of the principal's memory versions that the forget at `position` covers
+    (by the one forget rule), sorted; empty if no forget is at that position."""
+    mv, ts = t.mem_versions.c, t.tombstones.c
+    rows = (await conn.execute(select(mv.memory_id).where(
+        ts.position == position, mv.tenant == who.tenant,
+        prefix_match(mv.ns_path, who.prefix), covers_sql(ts, mv))
+        .order_by(mv.memory_id))).all()
+    return [r[0] for r in rows]

@@ -5,8 +5,9 @@ human messages and progress on stderr, and exits 0 on success, 1 on rejected inp
 a failed check, 2 on usage errors.
 
 The commands live with their audience: `memledger.cli.app`, `memledger.cli.operator`,
-`memledger.cli.workers`. This module holds the global options, the dispatch and the
-translation of errors into exit codes; `memledger.cli.common` what the three share.
+`memledger.cli.workers`, `memledger.cli.server`. This module holds the global options,
+the dispatch and the translation of errors into exit codes; `memledger.cli.common` what
+they share.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from types import ModuleType
 
 from ledger.errors import MemledgerError
 from ledger.logs import configure
-from memledger.cli import app, operator, workers
+from memledger.cli import app, operator, server, workers
 from memledger.cli.common import Audience, error_message, out, say
 
 __all__ = ["build_parser", "main"]
 
 #: The audience modules, in the order `memledger --help` lists them. Each has a
 #: `TITLE` and `add_commands(audience)`.
-AUDIENCES: tuple[ModuleType, ...] = (app, operator, workers)
+AUDIENCES: tuple[ModuleType, ...] = (app, operator, workers, server)
 
 
 def _listing(audiences: list[Audience], columns: int = 79) -> str:

@@ -21,7 +21,7 @@ import pytest
 
 from ledger.errors import BackupError, RegisterError, ValidationError
 from ledger.store import Store
-from memledger.cli import app, operator, workers
+from memledger.cli import app, operator, server, workers
 from memledger.cli.common import ProgressLine, error_message
 from replay.audit import audit, audit_record
 from replay.backup import backup, restore
@@ -36,7 +36,7 @@ from workers.runtime import Settings
 ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
-            "replay", "backup", "restore", "sweep", "dead-letters"}
+            "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None, module: bool = False,
@@ -64,11 +64,12 @@ def test_help_lists_the_commands_by_audience() -> None:
     proc = _run("--help")
     assert proc.returncode == 0
     groups = _groups(proc.stdout.decode())
-    assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE]
+    assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE, server.TITLE]
     assert groups[app.TITLE] == ["append", "publish", "get", "recall", "tasks"]
     assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "backup",
                                       "restore"]
     assert groups[workers.TITLE] == ["worker", "dead-letters"]
+    assert groups[server.TITLE] == ["serve", "keys"]
     listed = [c for names in groups.values() for c in names]
     assert sorted(listed) == sorted(COMMANDS)
 
