@@ -53,8 +53,8 @@ class StorePutIn(_In):
     namespace: list[Label] = Field(min_length=1, max_length=MAX_LABELS)
     key: Key
     value: dict[str, JsonValue]
-    index: Literal[False] | list[Annotated[str, StringConstraints(max_length=256)]] | None \
-        = Field(default=None, max_length=32)
+    index: Literal[False] | Annotated[list[Annotated[str, StringConstraints(max_length=256)]],
+                                      Field(max_length=32)] | None = None
     ttl: float | None = Field(default=None, gt=0, le=10 * 365 * 24 * 60,
                               description="minutes until the item expires")
 
