@@ -628,7 +628,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="memledger", version="1", lifespan=lifespan,
                   description="The HTTP API of memledger (docs/http.md). Every request "
-                              "but the probes carries `Authorization: Bearer <key>`.")
+                              "but the probes carries `Authorization: Bearer <key>` (or "
+                              "the key in `x-api-key`).")
     app.state.settings = cfg
     app.state.limiter = RateLimiter(cfg.rate_limit, cfg.burst)
     app.state.metrics = metrics
