@@ -28,8 +28,9 @@ lint: $(STAMP) ## ruff and mypy (strict) on the packages
 test: $(STAMP) ## the whole suite (PostgreSQL and Redis tests skip without the servers, fail when CI=true)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-langgraph: $(STAMP) ## LangGraph's own store tests (fetched at test time) against memledger.langgraph
-	$(BIN)/python tests/peer/run_langgraph.py $(PYTEST_ARGS)
+test-langgraph: $(STAMP) ## LangGraph's and langgraph-sdk's own store tests (fetched at test time) against memledger.langgraph and memledger serve
+	rc=0; $(BIN)/python tests/peer/run_langgraph.py $(PYTEST_ARGS) || rc=1; \
+	$(BIN)/python -m tests.peer.run_langgraph_sdk $(PYTEST_ARGS) || rc=1; exit $$rc
 
 test-fast: $(STAMP) ## the suite without the slow integration tests
 	$(BIN)/pytest -m 'not slow' $(PYTEST_ARGS)

@@ -150,11 +150,19 @@ async def authenticate(store: Store, key: str) -> KeyInfo | None:
     key_id = _split(key)
     if key_id is None:
         return None
-    async with store.read() as conn:
-        row = (await conn.execute(select(t.api_keys).where(
+    # One statement (the key's row and the stored secret) on a connection without an
+    # explicit transaction: every HTTP request pays for this check, and on SQLite each
+    # statement, BEGIN and COMMIT is a round trip to the driver's thread.
+    stored = select(t.meta.c.value).where(t.meta.c.name == _PEPPER_META).scalar_subquery()
+    async with store.read_once() as conn:
+        row = (await conn.execute(select(t.api_keys, stored.label("stored_pepper")).where(
             t.api_keys.c.key_id == key_id))).first()
-        pepper = await _pepper(conn, create=False) if row is not None else None
-    if row is None or pepper is None or row.revoked_at is not None:
+    if row is None or row.revoked_at is not None:
+        return None
+    env = os.environ.get(PEPPER_ENV)
+    pepper = env.encode() if env else (
+        bytes.fromhex(row.stored_pepper) if row.stored_pepper is not None else None)
+    if pepper is None:
         return None
     if not hmac.compare_digest(row.digest, _digest(pepper, key)):
         return None

@@ -156,14 +156,16 @@ class MemledgerStore(BaseStore):
     the store is garbage-collected); `url=` any memledger URL (SQLite or PostgreSQL).
     Namespaces `(a, b, ...)` are stored as `[tenant, a, b, ...]`. `principal=
     "TENANT/USER"` scopes the store to the namespaces whose first label is USER, in
-    the SQL of every read.
+    the SQL of every read. `register_path`: the ledger's forget register, when not the
+    default place (docs/forgetting.md).
     """
 
     supports_ttl: bool = True
 
     def __init__(self, *, index: IndexConfig | None = None, ttl: TTLConfig | None = None,
                  url: str | None = None, tenant: str = "langgraph",
-                 principal: str | None = None, name: str = "MemledgerStore") -> None:
+                 principal: str | None = None, name: str = "MemledgerStore",
+                 register_path: str | None = None) -> None:
         self._tmpdir: str | None = None
         if url is None:
             self._tmpdir = tempfile.mkdtemp(prefix="memledger-langgraph-")
@@ -191,7 +193,7 @@ class MemledgerStore(BaseStore):
         self._seq = itertools.count(1)
         self._last_us = 0
         self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
-        self._ml = MemoryLedger(url)
+        self._ml = MemoryLedger(url, register_path=register_path)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
         self._loop = asyncio.new_event_loop()

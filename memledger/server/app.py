@@ -21,7 +21,7 @@ import structlog
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ledger.builders import Source
@@ -43,6 +43,7 @@ from memledger.server.problems import (
     reason,
     unauthorized,
 )
+from memledger.server.store_routes import StorePool, store_router
 from replay.audit import audit, audit_record
 from replay.status import status_report
 from replay.verify import verify
@@ -237,6 +238,8 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 # -- identity -----------------------------------------------------------------------------
 
 _bearer = HTTPBearer(auto_error=False, description="an API key from `memledger keys create`")
+_api_key = APIKeyHeader(name="x-api-key", auto_error=False,
+                        description="the same key, in the header the langgraph-sdk sends")
 
 
 def _ledger(request: Request) -> MemoryLedger:
@@ -245,12 +248,14 @@ def _ledger(request: Request) -> MemoryLedger:
 
 
 async def identity(request: Request,
-                   cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-                   ) -> KeyInfo:
-    """The key's identity; 401 without a valid key, 429 past the key's rate limit."""
-    if cred is None or not cred.credentials:
+                   cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                   api_key: Annotated[str | None, Depends(_api_key)] = None) -> KeyInfo:
+    """The key's identity (`Authorization: Bearer` or `x-api-key`); 401 without a valid
+    key or with two different ones, 429 past the key's rate limit."""
+    given = {k for k in (cred.credentials if cred else None, api_key) if k}
+    if len(given) != 1:
         raise unauthorized()
-    info = await authenticate(_ledger(request).store, cred.credentials)
+    info = await authenticate(_ledger(request).store, given.pop())
     if info is None:
         raise unauthorized()
     request.app.state.limiter.check(info.key_id)
@@ -614,19 +619,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ml = MemoryLedger(cfg.db_url, register_path=cfg.register_path, broker=cfg.broker)
         await ml.open()
         app.state.ledger = ml
+        app.state.stores = StorePool(ml.store.url, cfg.register_path)
         try:
             yield
         finally:
+            await app.state.stores.close()
             await ml.close()
 
     app = FastAPI(title="memledger", version="1", lifespan=lifespan,
                   description="The HTTP API of memledger (docs/http.md). Every request "
-                              "but the probes carries `Authorization: Bearer <key>`.")
+                              "but the probes carries `Authorization: Bearer <key>` (or "
+                              "the key in `x-api-key`).")
     app.state.settings = cfg
     app.state.limiter = RateLimiter(cfg.rate_limit, cfg.burst)
     app.state.metrics = metrics
     install_error_handlers(app, metrics)
     app.include_router(_routes(metrics))
+    app.include_router(store_router(identity))
     app.add_middleware(Edge, metrics=metrics, max_body=cfg.max_body)  # type: ignore[arg-type]
     return app
 

@@ -457,3 +457,20 @@ def test_nul_in_a_parameter_is_a_422(served: tuple[Server, dict[str, str]]) -> N
         assert r.status_code == 422 and r.json()["field"] == "query.namespace"
         r = u7.get("/v1/memories/m%00x")
         assert r.status_code == 422 and r.json()["field"] == "path.memory_id"
+
+
+async def test_authenticate_with_the_stored_or_the_env_secret(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`keys.authenticate` (one statement per request): a key is known under the secret it
+    was made with, stored in `meta` or given by `MEMLEDGER_API_KEY_PEPPER`; a wrong
+    secret part, a revoked key and an unknown id are refused."""
+    key, info = await keys.create_key(store, "principal", tenant="shop-a", user="u7")
+    assert (await keys.authenticate(store, key)) == info
+    assert await keys.authenticate(store, key[:-1] + ("x" if key[-1] != "x" else "y")) is None
+    assert await keys.authenticate(store, "mlk_nope_secret") is None
+    monkeypatch.setenv(keys.PEPPER_ENV, "an operator's own secret")
+    assert await keys.authenticate(store, key) is None  # made under the stored secret
+    key2, info2 = await keys.create_key(store, "tenant", tenant="shop-a")
+    assert (await keys.authenticate(store, key2)) == info2
+    assert await keys.revoke_key(store, info2.key_id) is not None
+    assert await keys.authenticate(store, key2) is None
