@@ -40,7 +40,7 @@ from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_update, insert_ignore
+from projections.sql import for_share, for_update, insert_ignore
 
 log = structlog.get_logger("memledger.projections")
 
@@ -200,9 +200,7 @@ class Runner:
         cp, sc = t.checkpoints.c, t.shard_checkpoints.c
         async with self.store.view_write() as conn:
             await _ensure_checkpoint(conn, self.store, proj.name)
-            q = select(cp.position).where(cp.name == proj.name)
-            if self.store.dialect == "postgresql":
-                q = q.with_for_update(read=True)
+            q = for_share(self.store, select(cp.position).where(cp.name == proj.name))
             base = int((await conn.execute(q)).scalar_one())
             if base == 0 and isinstance(proj, BulkLoadable) \
                     and await read_bulk_state(conn, proj.name) is not None:

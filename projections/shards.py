@@ -6,10 +6,10 @@ unsigned integer, modulo S. Every view row belongs to one tenant, so two shards 
 write the same rows, and a shard's batch may run beside another's.
 
 The hash is computed, not stored: PostgreSQL computes the same number in SQL
-(`shard_sql`) to filter a shard's events in the statement that reads them, and events
-stay immutable (a stored shard number would tie every row to one S, and `memledger
-shards set` would have to rewrite the ledger). SQLite filters in Python: its write lock
-is global, so there shards take turns anyway.
+(`projections.sql.shard_filter`) to filter a shard's events in the statement that
+reads them, and events stay immutable (a stored shard number would tie every row to
+one S, and `memledger shards set` would have to rewrite the ledger). SQLite filters in
+Python: its write lock is global, so there shards take turns anyway.
 
 Where a shard stands: its row in `shard_checkpoints` if it has moved on its own, else
 its projection's `checkpoints` position (the *base*). A projection's position as a whole
@@ -24,16 +24,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Final
+from typing import Final
 
-from sqlalchemy import BigInteger, ColumnElement, String, cast, func, literal, select
-from sqlalchemy.dialects.postgresql import BIT
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
+from projections.sql import shard_filter
 
 #: Shards per projection when the ledger records none.
 DEFAULT_SHARDS: Final = 16
@@ -53,12 +53,6 @@ def tenant_hash(tenant: str) -> int:
 def shard_of(tenant: str, count: int) -> int:
     """The shard (0..count-1) of a tenant's events and view rows."""
     return tenant_hash(tenant) % count
-
-
-def shard_sql(tenant: Any, count: int) -> ColumnElement[Any]:
-    """`shard_of(tenant, count)` as PostgreSQL SQL over a tenant column."""
-    hexed = literal("x", String).concat(func.substr(func.md5(tenant), 1, 8))
-    return cast(cast(hexed, BIT(32)), BigInteger) % count
 
 
 async def shard_count(conn: AsyncConnection) -> int:
@@ -150,13 +144,13 @@ async def read_events(store: Store, conn: AsyncConnection, after: int, limit: in
     q = select(*STORED_COLUMNS).where(ev.position > after, ev.position <= upto)
     if types is not None:
         q = q.where(ev.type.in_(list(types)))
-    sql_filter = store.dialect == "postgresql" and scope.shards is not None
-    if sql_filter:
-        assert scope.shards is not None
-        q = q.where(shard_sql(ev.tenant, scope.count).in_(sorted(scope.shards)))
+    cond = None if scope.shards is None else shard_filter(
+        store, ev.tenant, scope.count, sorted(scope.shards))
+    if cond is not None:
+        q = q.where(cond)
     rows = (await conn.execute(q.order_by(ev.position).limit(limit))).all()
     events = [stored_from_row(r) for r in rows]
     reached = upto if len(events) < limit else events[-1].position
-    if not sql_filter:
+    if cond is None:
         events = [se for se in events if scope.covers(se.tenant)]
     return events, reached

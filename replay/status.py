@@ -14,7 +14,7 @@ import orjson
 from sqlalchemy import func, select
 
 from ledger import schema as t
-from ledger.backends.postgres import SHARD_LEASE_LOCK, advisory_holders
+from ledger.backends.postgres import SHARD_LEASE_LOCK
 from ledger.store import Store
 from projections import quarantine, shards
 from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
@@ -27,11 +27,9 @@ async def shard_table(store: Store, names: list[str]
     async with store.read() as conn:
         count = await shards.shard_count(conn)
         per_shard = await shards.shard_positions(conn, names, count)
-    owners: dict[int, str] = {}
-    if store.dialect == "postgresql":
-        # Outside the snapshot: pg_locks is live state.
-        async with store.read_once() as conn:
-            owners = await advisory_holders(conn, SHARD_LEASE_LOCK)
+    # Outside the snapshot: the lease holders are live state.
+    async with store.read_once() as conn:
+        owners = await store.recorder.lease_holders(conn, SHARD_LEASE_LOCK)
     return count, per_shard, owners
 
 

@@ -37,7 +37,7 @@ import structlog
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ledger.backends.postgres import SHARD_LEASE_LOCK, WORKER_MEMBER_LOCK, advisory_holders
+from ledger.backends.postgres import SHARD_LEASE_LOCK, WORKER_MEMBER_LOCK
 from ledger.store import Store
 from projections.runner import Runner
 from projections.shards import shard_count
@@ -108,8 +108,8 @@ class ShardLeases:
             self._conn = await self._connect()
         conn = self._conn
         count = await shard_count(conn)
-        members = len(await advisory_holders(conn, WORKER_MEMBER_LOCK))
-        held = await advisory_holders(conn, SHARD_LEASE_LOCK)
+        members = len(await self.store.recorder.lease_holders(conn, WORKER_MEMBER_LOCK))
+        held = await self.store.recorder.lease_holders(conn, SHARD_LEASE_LOCK)
         start = self.member % count
         free = [k % count for k in range(start, start + count) if k % count not in held]
         give, take = plan(self.owned, free, count, members)

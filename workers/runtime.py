@@ -95,7 +95,7 @@ class Runtime:
         # On PostgreSQL the projecting processes share the shards (`workers.leases`);
         # on SQLite one process steps every shard (its write lock is global anyway).
         self.leases: ShardLeases | None = None
-        if self.projector is not None and self.store.dialect == "postgresql" \
+        if self.projector is not None and self.store.recorder.shard_leases \
                 and settings.shard_leases:
             self.leases = ShardLeases(self.store, self.projector.runner,
                                       on_gain=self.projector.poke)

@@ -71,6 +71,11 @@ class PostgresRecorder(Recorder):
             }},
         )
 
+    shard_leases: ClassVar[bool] = True
+
+    async def lease_holders(self, conn: AsyncConnection, lock_class: int) -> dict[int, str]:
+        return await advisory_holders(conn, lock_class)
+
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))

@@ -1,0 +1,171 @@
+"""Projection scale-out on PostgreSQL: the same backlog projected by 1, 2 and 4 worker
+processes sharing the shards (`workers.leases`), beside one unsharded process.
+
+Set-up: a backlog of `mixed_events` over 64 tenants appended once into a template
+database; each run gets a fresh copy (`CREATE DATABASE ... TEMPLATE`). The processes are
+started and held at a lock until their leases have settled (each at its fair share of
+the 16 shards), so process start-up is not timed; then the clock runs until every shard
+of every projection is at the head (polled every 50 ms).
+
+- baseline: one `memledger project` process (no leases: every shard in one batch)
+- `memledger worker --queues project` x 1, 2, 4 (each its own process group and session;
+  Redis for wake-ups; the sweep brings them to the head)
+
+Targets on 2 cores (issue 21): 2 processes >= 1.7x one; 4 no slower than 2. Skipped
+without PostgreSQL (`MEMLEDGER_BENCH_PG`, default postgresql+asyncpg://postgres@127.0.0.1:5432)
+or Redis (`MEMLEDGER_BENCH_REDIS`, default redis://127.0.0.1:6379/15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import main, mixed_events, result, say, size
+from ledger.backends.postgres import SHARD_LEASE_LOCK, advisory_holders
+from ledger.store import Store
+from projections.runner import Runner
+from projections.shards import DEFAULT_SHARDS
+
+PG = os.environ.get("MEMLEDGER_BENCH_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("MEMLEDGER_BENCH_REDIS", "redis://127.0.0.1:6379/15")
+MEMLEDGER = str(Path(sys.executable).parent / "memledger")
+TEMPLATE = f"memledger_bench_scale_tpl_{os.getpid()}"
+
+
+async def _admin(sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(PG.replace("postgresql+asyncpg", "postgresql") + "/postgres",
+                                 timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def _url(name: str) -> str:
+    return f"{PG}/{name}"
+
+
+async def _build_template(n: int) -> None:
+    await _admin(f'CREATE DATABASE "{TEMPLATE}"')
+    store = Store(_url(TEMPLATE))
+    await store.open()
+    try:
+        events = mixed_events(n, tenants=64, seed=21)
+        for i in range(0, n, 2000):
+            await store.append(events[i:i + 2000])
+    finally:
+        await store.close()
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """One `memledger` process in a process group and session of its own."""
+    return subprocess.Popen([MEMLEDGER, *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+async def _run(label: str, db: str, argv: list[list[str]], leases: int) -> float:
+    """Start the processes held at a lock, release them, time the catch-up (seconds)."""
+    await _admin(f'CREATE DATABASE "{db}" TEMPLATE "{TEMPLATE}"')
+    env = {**os.environ, "MEMLEDGER_DB_URL": _url(db), "MEMLEDGER_REDIS_URL": REDIS,
+           "MEMLEDGER_FORGET_REGISTER": f"/tmp/{db}.forgets", "MEMLEDGER_LOG_LEVEL": "WARNING"}
+    store = Store(_url(db))
+    await store.open()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        head = await store.head()
+        runner = Runner(store)
+        # Hold every projection step (and checkpoint read) until the processes are ready.
+        async with store.engine.connect() as gate:
+            await gate.exec_driver_sql("BEGIN")
+            await gate.exec_driver_sql("LOCK TABLE checkpoints IN ACCESS EXCLUSIVE MODE")
+            procs.extend(_spawn(args, env) for args in argv)
+            deadline = time.monotonic() + 40
+            while leases and time.monotonic() < deadline:
+                async with store.read_once() as conn:
+                    held = await advisory_holders(conn, SHARD_LEASE_LOCK)
+                per = {}
+                for owner in held.values():
+                    per[owner] = per.get(owner, 0) + 1
+                if len(held) == DEFAULT_SHARDS and len(per) == leases \
+                        and max(per.values()) - min(per.values()) <= 1:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                if leases:
+                    raise RuntimeError(f"{label}: leases did not settle")
+            await asyncio.sleep(0.5 if not leases else 0)  # `project` reaches its first step
+            await gate.exec_driver_sql("COMMIT")
+            started = time.perf_counter()
+        while True:
+            if min((await runner.positions()).values()) >= head:
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                raise RuntimeError(f"{label}: a process died")
+            await asyncio.sleep(0.05)
+        seconds = time.perf_counter() - started
+        say(f"{label}: {head:,} events in {seconds:.2f} s")
+        return seconds
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(60)
+        await store.close()
+        await _admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+async def run() -> list[dict[str, Any]]:
+    """The scaling curve, beside one unsharded process."""
+    n = size(6000, 1500)
+    try:
+        await _admin("SELECT 1")
+    except Exception as e:  # noqa: BLE001 - no server: skip, say why
+        say(f"scale: PostgreSQL not reachable ({type(e).__name__}): skipped")
+        return []
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS, socket_connect_timeout=2).ping()
+    except Exception as e:  # noqa: BLE001
+        say(f"scale: Redis not reachable ({type(e).__name__}): skipped")
+        return []
+    say(f"scale: appending {n:,} mixed events over 64 tenants into a template database")
+    await _build_template(n)
+    worker = ["worker", "--queues", "project", "--threads", "4", "--sweep-interval", "0.2"]
+    try:
+        base = await _run("unsharded (memledger project)", f"{TEMPLATE}_u",
+                          [["project"]], 0)
+        secs = {}
+        for k in (1, 2, 4):
+            secs[k] = await _run(f"{k} worker process(es)", f"{TEMPLATE}_{k}",
+                                 [worker] * k, k)
+    finally:
+        await _admin(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
+    rate = {k: n / s for k, s in secs.items()}
+    base_rate = n / base
+    out = [result("scale: 1 unsharded process (memledger project)", base_rate, "events/s",
+                  base_rate, note=f"{n:,} events, every view, PostgreSQL; the baseline")]
+    for k in (1, 2, 4):
+        note = f"{k} x `memledger worker --queues project`, {DEFAULT_SHARDS} shards"
+        if k == 2:
+            note += f"; {rate[2] / rate[1]:.2f}x one worker (target >= 1.7x)"
+        if k == 4:
+            note += f"; {rate[4] / rate[2]:.2f}x two workers (target >= 1.0x)"
+        out.append(result(f"scale: {k} sharded worker process{'es' if k > 1 else ''}",
+                          rate[k], "events/s", base_rate, note=note))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(run))
