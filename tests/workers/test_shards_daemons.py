@@ -31,7 +31,7 @@ from tests.workers.test_daemon import (
 from workers.leases import REBALANCE_S
 from workers.publish import Publisher
 
-pytestmark = [pytest.mark.redis, pytest.mark.postgres,
+pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow,
               pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)]
 
 #: Events and tenants. The issue asks for 20,000 over 200 tenants; on this shared 2-core
