@@ -22,7 +22,8 @@ import orjson
 from bench.common import OUT_DIR, QUICK_ENV, format_table, machine
 from ledger.logs import configure
 
-ORDER = ("append", "projection", "get", "rebuild", "recall", "workers", "langgraph", "http")
+ORDER = ("append", "projection", "get", "rebuild", "recall", "workers", "langgraph", "http",
+         "scale")
 
 
 def _load(name: str) -> Any:

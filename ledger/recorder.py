@@ -127,6 +127,14 @@ class Recorder(ABC):
     async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
         """Hold `lock` until the transaction ends."""
 
+    #: Can worker processes share projection shards by session-held locks
+    #: (`workers.leases`)? Else one process steps every shard.
+    shard_leases: ClassVar[bool] = False
+
+    async def lease_holders(self, conn: AsyncConnection, lock_class: int) -> dict[int, str]:
+        """Who holds the session locks of a class: `{n: holder}` (none without leases)."""
+        return {}
+
     # -- transactions -----------------------------------------------------------------------
     def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A write transaction that holds the ledger's write lock until it commits."""

@@ -113,6 +113,20 @@ checkpoints = Table(
     Column("updated_at", Float, nullable=True),
 )
 
+# Sharded projections (`projections.shards`, docs/projections.md#shards): one row per
+# (projection, shard) that has moved on its own. A shard without a row is at its
+# projection's `checkpoints` position; a row is always at or past it. The number of
+# shards is the `meta` row `shards` (default 16).
+shard_checkpoints = Table(
+    "shard_checkpoints",
+    metadata,
+    Column("projection", String(64), nullable=False),
+    Column("shard", Integer, nullable=False),
+    Column("position", BigInteger, nullable=False),
+    Column("updated_at", Float, nullable=True),
+    PrimaryKeyConstraint("projection", "shard"),
+)
+
 dead_letters = Table(
     "dead_letters",
     metadata,
@@ -169,8 +183,8 @@ quarantine = Table(
     Index("ix_quarantine_position", "position"),
 )
 
-LEDGER_TABLES: Final = (events, tombstones, task_owners, meta, checkpoints, dead_letters,
-                        recall_audit, recall_audit_items, quarantine)
+LEDGER_TABLES: Final = (events, tombstones, task_owners, meta, checkpoints, shard_checkpoints,
+                        dead_letters, recall_audit, recall_audit_items, quarantine)
 
 # -- API keys of the HTTP API -------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 import structlog
-from sqlalchemy import and_, func, select
+from sqlalchemy import BigInteger, Integer, String, and_, cast, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -20,6 +20,7 @@ from ledger.store import Store
 from projections import reads
 from projections.embedding import Embedder
 from projections.principal_index import Group, PrincipalIndex, group_key, norm_key
+from projections.shards import DEFAULT_SHARDS, SHARDS_META, tenant_hash
 from projections.sql import prefix_match, prefix_range
 from projections.vectors import (
     PENDING_META,
@@ -87,22 +88,37 @@ class Positions:
     head: int  # the ledger's head
 
 
-async def read_positions(conn: AsyncConnection) -> Positions:
-    """Where the index and the ledger stand, in one round trip."""
-    cp, meta = t.checkpoints.c, t.meta.c
+async def read_positions(conn: AsyncConnection, tenant: str) -> Positions:
+    """Where the tenant's shard of the index and the ledger stand, in one round trip.
+
+    The index of a tenant is as far as its shard of the `vectors` projection
+    (`projections.shards`): its own row if it moved on its own, else the base.
+    """
+    cp, meta, sc = t.checkpoints.c, t.meta.c, t.shard_checkpoints.c
+    count = func.coalesce(select(cast(meta.value, Integer)).where(
+        meta.name == SHARDS_META).scalar_subquery(), DEFAULT_SHARDS)
+    shard = literal(tenant_hash(tenant), BigInteger) % count
+    mine = (sc.projection == "vectors") & (sc.shard == shard)
+    pending = select(func.min(cast(meta.value, BigInteger))).where(
+        (meta.name == PENDING_META)
+        | (meta.name == literal(PENDING_META + ".") + cast(shard, String))).scalar_subquery()
     row = (await conn.execute(select(
         select(cp.position).where(cp.name == "vectors").scalar_subquery(),
         select(cp.updated_at).where(cp.name == "vectors").scalar_subquery(),
-        select(meta.value).where(meta.name == PENDING_META).scalar_subquery(),
+        select(sc.position).where(mine).scalar_subquery(),
+        select(sc.updated_at).where(mine).scalar_subquery(),
+        pending,
         select(func.max(t.events.c.position)).scalar_subquery()))).one()
-    return Positions(int(row[0] or 0), float(row[1] or 0.0),
-                     int(row[2]) if row[2] is not None else None, int(row[3] or 0))
+    position = max(int(row[0] or 0), int(row[2] or 0))
+    stamp = max(float(row[1] or 0.0), float(row[3] or 0.0))
+    return Positions(position, stamp, int(row[4]) if row[4] is not None else None,
+                     int(row[5] or 0))
 
 
 async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
                           emb: Embedder, at: Positions | None = None) -> PrincipalIndex:
     """The principal's vectors at the current `vectors` checkpoint (cached)."""
-    at = at or await read_positions(conn)
+    at = at or await read_positions(conn, who.tenant)
     key = (store.url, who.tenant, who.user, emb.name)
     cached = CACHE.get(key)
     # The step time tells a rebuild that ended at the same position from no change.

@@ -52,7 +52,7 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     qtext = (query or "").strip() or None
     qvec = emb.embed([qtext])[0] if qtext else None
     async with store.read() as conn:
-        at = await read_positions(conn)
+        at = await read_positions(conn, who.tenant)
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)
         rows, cands = await valid_candidates(conn, who, idx, qtext, qvec, lag, emb,

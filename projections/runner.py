@@ -6,6 +6,11 @@ is locked for the whole transaction (SQLite: BEGIN IMMEDIATE; PostgreSQL: SELECT
 FOR UPDATE), so a second runner of the same projection waits instead of applying the
 batch twice, and a killed holder's lock dies with its connection.
 
+Sharded (`projections.shards`): a runner that owns some shards (`Runner.owned`) steps
+only those, holding the checkpoint row in share mode and its shards' rows exclusively,
+so runners of other shards run beside it; a runner that owns none steps every shard at
+once under the exclusive lock, as before (`memledger project`, the SDK, SQLite workers).
+
 An event the projection cannot apply does not stop it: the batch is applied in a
 savepoint, and if that fails with an error the events cause (`projections.quarantine`)
 the batch is bisected, each part in its own savepoint, down to the events that fail
@@ -18,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import orjson
@@ -29,13 +34,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import quarantine
+from projections import quarantine, shards
 from projections.bulk import restore_shape
 from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_update, insert_ignore
+from projections.sql import for_share, for_update, insert_ignore
 
 log = structlog.get_logger("memledger.projections")
 
@@ -106,6 +111,11 @@ class Runner:
         self.retry_upgraded = retry_upgraded
         self._checked: set[str] = set()  # projections whose quarantine was looked at
         self._stale: set[str] = set()  # ... and found to hold another version's entries
+        #: The shards this runner steps: None steps every shard at once (holding each
+        #: projection's checkpoint row exclusively); a set steps only those shards,
+        #: beside runners of other shards (`workers.leases` keeps it to the leases held).
+        self.owned: frozenset[int] | None = None
+        self._reclaim = False  # an erasure batch ran: reclaim after its commit
 
     async def step(self, proj: Projection, upto: int | None = None,
                    size: int | None = None) -> int:
@@ -113,12 +123,24 @@ class Runner:
         projection; returns how many positions it moved."""
         with no_gc_pauses():
             moved = await self._step(proj, upto, size or self.batch_size)
+        if self._reclaim:
+            self._reclaim = False
+            await self.store.reclaim()
         if proj.name in self._stale:
             self._stale.discard(proj.name)
             await self.retry_quarantined([proj.name], stale_only=True)
         return moved
 
     async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
+        if self.owned is not None:
+            moved = await self._step_shards(proj, upto, size, self.owned)
+            if moved is not None:
+                return moved
+        return await self._step_all(proj, upto, size)
+
+    async def _step_all(self, proj: Projection, upto: int | None, size: int) -> int:
+        """One batch of every shard, holding the projection's checkpoint row exclusively
+        (shard batches of other runners wait; see `_step_shards`)."""
         cp = t.checkpoints.c
         async with self.store.view_write() as conn:
             q = for_update(self.store, select(cp.position).where(cp.name == proj.name))
@@ -128,10 +150,7 @@ class Runner:
                 row = (await conn.execute(q)).first()
                 assert row is not None
             position = int(row[0])
-            if self.retry_upgraded and proj.name not in self._checked:
-                self._checked.add(proj.name)
-                if await quarantine.entries(conn, proj.name, stale_only=True, limit=1):
-                    self._stale.add(proj.name)  # retried once this transaction ends
+            await self._check_stale(conn, proj)
             # Only at 0 can a bulk load be running. Its state is read in a statement of
             # its own, after the lock: on PostgreSQL a subquery of the locking SELECT
             # would see the snapshot from before the wait.
@@ -142,28 +161,118 @@ class Runner:
             end = upto if upto is not None else await self.store.head(conn)
             if end <= position:
                 return 0
+            # Shards that moved on their own (`_step_shards`) are past the base: their
+            # events up to their row are applied already.
+            sc = t.shard_checkpoints.c
+            ahead = {int(r[0]): int(r[1]) for r in (await conn.execute(
+                select(sc.shard, sc.position).where(sc.projection == proj.name))).all()}
+            count = await shards.shard_count(conn)
             # Positions are gap-free, so a batch is a range of positions; a projection
             # that names its event types reads only those, and still moves past the rest.
             hi = min(position + size, end)
             types = getattr(proj, "types", None)
             batch = await self.store.read_events(conn, position, size, hi, types=types)
+            if ahead:
+                batch = [se for se in batch if se.position > ahead.get(
+                    shards.shard_of(se.tenant, count), position)]
             started = time.perf_counter()
-            # Events already quarantined for this view (its checkpoint was moved back,
-            # or a scratch replay mirrors a live one) stay skipped until retried.
-            held = await quarantine.held_positions(conn, proj.name, position, hi)
-            if held:
-                batch = [se for se in batch if se.position not in held]
-            failed = await self._apply_guarded(proj, conn, batch) if batch else []
-            if failed:
-                await quarantine.record(conn, proj.name, failed)
+            failed = await self._apply_held(proj, conn, batch, position, hi,
+                                            shards.Scope(count))
             await conn.execute(update(t.checkpoints).where(cp.name == proj.name)
                                .values(position=hi, updated_at=time.time()))
-        _report(proj.name, failed)
-        log.debug("projection_batch", projection=proj.name, after=position, position=hi,
-                  events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1))
-        if proj.name == "erasure" and any(se.type in FORGETS for se in batch):
-            await self.store.reclaim()
+            if ahead:
+                await conn.execute(delete(t.shard_checkpoints).where(
+                    sc.projection == proj.name, sc.position <= hi))
+        self._after_batch(proj, position, hi, batch, failed, started)
         return hi - position
+
+    async def _step_shards(self, proj: Projection, upto: int | None, size: int,
+                           owned: frozenset[int]) -> int | None:
+        """One batch of the owned shards only; None when the projection must be stepped
+        as a whole (a bulk load is in progress).
+
+        The projection's checkpoint row is held in share mode (PostgreSQL: FOR SHARE), so
+        runners of disjoint shards run side by side while a whole-projection step, a
+        rebuild or `shards set` (FOR UPDATE) waits for them and they for it; the owned
+        shards' rows are locked FOR UPDATE, in shard order, for the batch. The view
+        change and the shard checkpoints commit together: exactly once per shard.
+        """
+        cp, sc = t.checkpoints.c, t.shard_checkpoints.c
+        async with self.store.view_write() as conn:
+            await _ensure_checkpoint(conn, self.store, proj.name)
+            q = for_share(self.store, select(cp.position).where(cp.name == proj.name))
+            base = int((await conn.execute(q)).scalar_one())
+            if base == 0 and isinstance(proj, BulkLoadable) \
+                    and await read_bulk_state(conn, proj.name) is not None:
+                return None
+            count = await shards.shard_count(conn)
+            mine = sorted(k for k in owned if k < count)
+            if not mine:
+                return 0
+            await self._check_stale(conn, proj)
+            await conn.execute(insert_ignore(self.store, t.shard_checkpoints), [
+                {"projection": proj.name, "shard": k, "position": base} for k in mine])
+            rows = (await conn.execute(for_update(self.store, select(sc.shard, sc.position)
+                    .where(sc.projection == proj.name, sc.shard.in_(mine))
+                    .order_by(sc.shard)))).all()
+            at = {int(r[0]): max(base, int(r[1])) for r in rows}
+            low = min(at.values())
+            end = upto if upto is not None else await self.store.head(conn)
+            if end <= low:
+                return 0
+            scope = shards.Scope(count, frozenset(mine))
+            types = getattr(proj, "types", None)
+            batch, reached = await shards.read_events(self.store, conn, low, size, end,
+                                                      types, scope)
+            batch = [se for se in batch
+                     if se.position > at[shards.shard_of(se.tenant, count)]]
+            started = time.perf_counter()
+            failed = await self._apply_held(proj, conn, batch, low, reached, scope)
+            behind = [k for k in mine if at[k] < reached]
+            res = await conn.execute(update(t.shard_checkpoints).where(
+                sc.projection == proj.name, sc.shard.in_(behind), sc.position < reached)
+                .values(position=reached, updated_at=time.time()))
+            # Guarded progression: every row moved from where this batch read it.
+            if res.rowcount != len(behind):
+                raise RuntimeError(f"shard checkpoints of {proj.name!r} moved under a "
+                                   "held lock; batch rolled back")
+        self._after_batch(proj, low, reached, batch, failed, started,
+                          {k: at[k] for k in behind})
+        return reached - low
+
+    async def _check_stale(self, conn: AsyncConnection, proj: Projection) -> None:
+        if self.retry_upgraded and proj.name not in self._checked:
+            self._checked.add(proj.name)
+            if await quarantine.entries(conn, proj.name, stale_only=True, limit=1):
+                self._stale.add(proj.name)  # retried once this transaction ends
+
+    async def _apply_held(self, proj: Projection, conn: AsyncConnection,
+                          batch: list[StoredEvent], after: int, upto: int,
+                          scope: shards.Scope) -> list[Failure]:
+        """Apply a batch (minus what is quarantined for this view) in the shard scope;
+        record what fails alone. Returns the failures."""
+        # Events already quarantined for this view (its checkpoint was moved back,
+        # or a scratch replay mirrors a live one) stay skipped until retried.
+        held = await quarantine.held_positions(conn, proj.name, after, upto)
+        if held:
+            batch[:] = [se for se in batch if se.position not in held]
+        with shards.in_scope(scope):
+            failed = await self._apply_guarded(proj, conn, batch) if batch else []
+        if failed:
+            await quarantine.record(conn, proj.name, failed)
+        return failed
+
+    def _after_batch(self, proj: Projection, after: int, position: int,
+                     batch: Sequence[StoredEvent], failed: Sequence[Failure],
+                     started: float, moved: dict[int, int] | None = None) -> None:
+        """Report a committed batch. `moved`: the shards it moved, each from where
+        (None: every shard, from `after`)."""
+        _report(proj.name, failed)
+        log.debug("projection_batch", projection=proj.name, after=after, position=position,
+                  events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1),
+                  **({} if moved is None else {"shards": {str(k): p for k, p in moved.items()}}))
+        if proj.name == "erasure" and any(se.type in FORGETS for se in batch):
+            self._reclaim = True
 
     async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection,
                          size: int, tables: Sequence[Any]) -> int | None:
@@ -250,9 +359,10 @@ class Runner:
         done: dict[str, dict[str, Any]] = {}
         for proj in chosen:
             async with self.store.view_write() as conn:
-                position = await _lock(conn, self.store, proj.name)
+                await _lock(conn, self.store, proj.name)
+                reached = await _reached(conn, proj.name)
                 rows = await quarantine.entries(conn, proj.name, stale_only=stale_only)
-                rows = [r for r in rows if int(r["position"]) <= position]
+                rows = [r for r in rows if int(r["position"]) <= reached(str(r["tenant"]))]
                 if not rows:
                     continue
                 events = await _events_at(self.store, conn, [int(r["position"]) for r in rows])
@@ -284,13 +394,14 @@ class Runner:
             readers.add(proj.name)
             async with self.store.view_write() as conn:
                 position = await _lock(conn, self.store, proj.name)
-                mine = [p for p in positions if p <= position]
+                reached = await _reached(conn, proj.name)
+                mine = [p for p in positions if p <= max(position, reached(None))]
                 held = set()
                 if mine:
                     held = await quarantine.held_positions(conn, proj.name, min(mine) - 1,
                                                            max(mine))
                 events = [se for se in await _events_at(self.store, conn, mine)
-                          if se.position not in held
+                          if se.position not in held and se.position <= reached(se.tenant)
                           and (proj.types is None or se.type in proj.types)]
                 failed = await self._reapply(proj, conn, events) if events else []
                 await quarantine.record(conn, proj.name, failed)
@@ -312,16 +423,20 @@ class Runner:
         return applied
 
     async def positions(self, conn: AsyncConnection | None = None) -> dict[str, int]:
-        """Each projection's checkpoint position (read in `conn`, if given; no lock)."""
-        cp = t.checkpoints.c
+        """Each projection's position: its slowest shard's, of the owned shards when the
+        runner owns some (read in `conn`, if given; no lock). With no shard owned, the
+        base position (nothing of this runner's to do)."""
         if conn is None:
             await self.store.open()
             async with self.store.read() as c:
-                rows = (await c.execute(select(cp.name, cp.position))).all()
-        else:
-            rows = (await conn.execute(select(cp.name, cp.position))).all()
-        found = {r[0]: int(r[1]) for r in rows}
-        return {p.name: found.get(p.name, 0) for p in self.projections}
+                return await self.positions(c)
+        names = [p.name for p in self.projections]
+        count = await shards.shard_count(conn)
+        owned = None if self.owned is None else [k for k in self.owned if k < count]
+        if owned == []:
+            return await shards.low_watermarks(conn, names)
+        at = await shards.shard_positions(conn, names, count, owned)
+        return {n: min(at[n].values()) for n in names}
 
 
 async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:
@@ -333,6 +448,18 @@ async def _lock(conn: AsyncConnection, store: Store, name: str) -> int:
     await _ensure_checkpoint(conn, store, name)
     q = for_update(store, select(t.checkpoints.c.position).where(t.checkpoints.c.name == name))
     return int((await conn.execute(q)).scalar_one())
+
+
+async def _reached(conn: AsyncConnection, name: str) -> Callable[[str | None], int]:
+    """How far a projection's shard of a tenant has got (None: the furthest shard)."""
+    count = await shards.shard_count(conn)
+    at = (await shards.shard_positions(conn, [name], count))[name]
+
+    def reached(tenant: str | None) -> int:
+        if tenant is None:
+            return max(at.values())
+        return at[shards.shard_of(tenant, count)]
+    return reached
 
 
 async def _events_at(store: Store, conn: AsyncConnection,

@@ -12,7 +12,8 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import func, tuple_
+from sqlalchemy import BigInteger, ColumnElement, String, cast, func, literal, tuple_
+from sqlalchemy.dialects.postgresql import BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -80,6 +81,26 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
                                operator.itemgetter(*cols))
     sql, values = got
     await conn.exec_driver_sql(sql, [values(r) for r in rows])
+
+
+def for_share(store: Store, q: Any) -> Any:
+    """The SELECT `q` holding its rows in share mode to the end of the transaction
+    (PostgreSQL `FOR SHARE`; SQLite's view transactions are serialised anyway)."""
+    return q.with_for_update(read=True) if store.dialect == "postgresql" else q
+
+
+def shard_filter(store: Store, tenant: Any, count: int, shards: Sequence[int]
+                 ) -> ColumnElement[bool] | None:
+    """SQL keeping the rows whose tenant is in one of `shards` of `count`
+    (`projections.shards.shard_of`), or None where the caller filters in Python (SQLite,
+    whose write lock is global: its shards take turns anyway).
+
+    PostgreSQL: the first four bytes of `md5(tenant)` as an unsigned integer, mod count.
+    """
+    if store.dialect != "postgresql":
+        return None
+    hexed = literal("x", String).concat(func.substr(func.md5(tenant), 1, 8))
+    return (cast(cast(hexed, BIT(32)), BigInteger) % count).in_(list(shards))
 
 
 def for_update(store: Store, q: Any) -> Any:

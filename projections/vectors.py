@@ -37,6 +37,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
+from projections import shards
 from projections.embedding import Embedder, get_embedder
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
@@ -275,20 +276,22 @@ class VectorProjection:
                     batch: Sequence[StoredEvent]) -> None:
         """Recompute the entries of every memory slot and task the batch touches."""
         start, end = batch[0].position, batch[-1].position
-        pending = await _get_pending(conn)
+        scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
+        pending = await _get_pending(conn, scope)
         events: list[StoredEvent] = list(batch)
         if pending is not None and pending < start - 1:
-            # Items an earlier batch indexed from lagging views: settle them now.
+            # Items an earlier batch indexed from lagging views: settle them now (of
+            # this batch's shards only: the others' entries are their runners').
             after = pending
             while after < start - 1:
                 more = await store.read_events(conn, after, 2000, upto=start - 1)
                 if not more:
                     break
-                events.extend(more)
+                events.extend(se for se in more if scope.covers(se.tenant))
                 after = more[-1].position
         await self._sync(store, conn, events, end)
-        lag = await _source_views_position(conn)
-        await _set_pending(conn, lag if lag < end else None)
+        lag = await _source_shard_positions(conn, scope)
+        await _set_pending(conn, scope, {k: p for k, p in lag.items() if p < end})
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     events: Sequence[StoredEvent], upto: int) -> None:
@@ -386,20 +389,37 @@ def _covered_entries(ts: Tombstone) -> Any:
 
 
 async def _source_views_position(conn: AsyncConnection) -> int:
-    """How far every view the index reads from has got (one never run: 0)."""
-    cp = t.checkpoints.c
-    rows = {r[0]: r[1] for r in (await conn.execute(select(cp.name, cp.position).where(
-        cp.name.in_(SOURCE_VIEWS)))).all()}
-    return min(int(rows.get(name, 0)) for name in SOURCE_VIEWS)
+    """How far every view the index reads from has got, in every shard (never run: 0)."""
+    return min((await shards.low_watermarks(conn, SOURCE_VIEWS)).values())
 
 
-async def _get_pending(conn: AsyncConnection) -> int | None:
-    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == PENDING_META))
-           ).first()
-    return int(row[0]) if row is not None else None
+async def _source_shard_positions(conn: AsyncConnection, scope: shards.Scope
+                                  ) -> dict[int, int]:
+    """Per shard of the scope, how far both views the index reads from have got."""
+    at = await shards.shard_positions(conn, SOURCE_VIEWS, scope.count, scope.members())
+    return {k: min(at[name][k] for name in SOURCE_VIEWS) for k in scope.members()}
 
 
-async def _set_pending(conn: AsyncConnection, position: int | None) -> None:
-    await conn.execute(delete(t.meta).where(t.meta.c.name == PENDING_META))
-    if position is not None:
-        await conn.execute(t.meta.insert().values(name=PENDING_META, value=str(position)))
+def pending_name(shard: int) -> str:
+    """The `meta` row of a shard's unsettled range (`vectors.pending_after.<shard>`)."""
+    return f"{PENDING_META}.{shard}"
+
+
+async def _get_pending(conn: AsyncConnection, scope: shards.Scope) -> int | None:
+    """The earliest unsettled position of the scope's shards (and of the whole index, a
+    row written before shards)."""
+    names = [PENDING_META, *(pending_name(k) for k in scope.members())]
+    rows = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name.in_(names)))).all()
+    return min((int(r[0]) for r in rows), default=None)
+
+
+async def _set_pending(conn: AsyncConnection, scope: shards.Scope,
+                       pending: dict[int, int]) -> None:
+    """Record each shard's unsettled range (None settles them all): one row per shard."""
+    names = [pending_name(k) for k in scope.members()]
+    if scope.shards is None:
+        names.append(PENDING_META)
+    await conn.execute(delete(t.meta).where(t.meta.c.name.in_(names)))
+    if pending:
+        await conn.execute(t.meta.insert(), [{"name": pending_name(k), "value": str(p)}
+                                             for k, p in sorted(pending.items())])

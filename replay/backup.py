@@ -428,11 +428,12 @@ async def _is_empty(conn: AsyncConnection) -> bool:
 
 
 async def _clear(store: Store, conn: AsyncConnection) -> None:
-    for tb in (*t.VIEW_TABLES, *reversed(BACKUP_TABLES), t.checkpoints):
+    for tb in (*t.VIEW_TABLES, *reversed(BACKUP_TABLES), t.checkpoints, t.shard_checkpoints):
         await store.recorder.delete_rows(conn, tb)
     # Bookkeeping of the views just cleared (e.g. `vectors.pending_after`, rebuild
-    # markers); the schema version stays.
-    await store.recorder.delete_rows(conn, t.meta, t.meta.c.name != "schema_version")
+    # markers); the schema version and this database's shard count stay.
+    await store.recorder.delete_rows(conn, t.meta,
+                                     t.meta.c.name.not_in(["schema_version", "shards"]))
 
 
 def _backup_forgets(reader: BackupReader) -> tuple[str | None, set[tuple[str, str]]]:

@@ -34,7 +34,7 @@ from ledger.records import StoredEvent, now_iso, stored_from_row
 from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections import quarantine
+from projections import quarantine, shards
 from projections.bulk import restore_shape
 from projections.erasure import erase_payloads
 from projections.protocol import BulkLoadable, Projection
@@ -231,6 +231,10 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
         await conn.execute(delete(t.quarantine).where(t.quarantine.c.projection == proj.name))
         await conn.execute(update(t.checkpoints).where(t.checkpoints.c.name == proj.name)
                            .values(position=0, updated_at=time.time()))
+        # The rebuild runs unsharded (one bulk load over every tenant); every shard is
+        # then at the projection's checkpoint, the load's head (`projections.shards`).
+        await conn.execute(delete(t.shard_checkpoints).where(
+            t.shard_checkpoints.c.projection == proj.name))
         await conn.execute(delete(t.meta).where(m.name == REBUILD_MARKER + proj.name))
         await conn.execute(t.meta.insert().values(name=REBUILD_MARKER + proj.name,
                                                   value=now_iso()))
@@ -312,6 +316,31 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
         if name in done:
             done[name]["quarantined"] = q["count"]
     return {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}
+
+
+async def set_shards(store: Store, count: int, *, progress: ProgressCallback | None = None,
+                     runner: Runner | None = None) -> dict[str, Any]:
+    """Split every projection into `count` shards from now on, then rebuild every view.
+
+    S and the shard checkpoints change in one transaction that holds every projection's
+    checkpoint row exclusively, so no shard batch of a running worker straddles the
+    change (each reads S inside its own transaction, after its share lock). The rebuild
+    then drops the views and loads them again, unsharded, up to the head; every shard
+    starts from there.
+    """
+    if not 1 <= count <= shards.MAX_SHARDS:
+        raise ValidationError("shards", f"shard count {count} out of range: use 1 to "
+                              f"{shards.MAX_SHARDS}")
+    await store.open()
+    runner = runner or Runner(store)
+    async with store.view_write() as conn:
+        for p in runner.projections:
+            await _lock_checkpoint(conn, store, p.name)
+        before = await shards.shard_count(conn)
+        await shards.write_shard_count(conn, count)
+    log.info("shards_set", shards=count, was=before)
+    rebuilt = await rebuild(store, restart=True, progress=progress, runner=runner)
+    return {"shards": count, "was": before, "rebuild": rebuilt}
 
 
 async def retry_quarantined(store: Store, names: Sequence[str] | None = None, *,

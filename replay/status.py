@@ -1,5 +1,6 @@
-"""What the ledger database says about itself: head, projection lag, rebuilds under way,
-events a projection quarantined (per projection: count and oldest position).
+"""What the ledger database says about itself: head, projection lag (per shard too, with
+each shard's lease holder), rebuilds under way, events a projection quarantined (per
+projection: count and oldest position).
 
 `memledger status` prints this report with the broker's side merged in
 (`workers.health.broker_report`).
@@ -13,9 +14,23 @@ import orjson
 from sqlalchemy import func, select
 
 from ledger import schema as t
+from ledger.backends.postgres import SHARD_LEASE_LOCK
 from ledger.store import Store
-from projections import quarantine
+from projections import quarantine, shards
 from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
+
+
+async def shard_table(store: Store, names: list[str]
+                      ) -> tuple[int, dict[str, dict[int, int]], dict[int, str]]:
+    """S, where each shard of the named projections stands, and who holds each shard's
+    lease (PostgreSQL workers, `workers.leases`; none on SQLite)."""
+    async with store.read() as conn:
+        count = await shards.shard_count(conn)
+        per_shard = await shards.shard_positions(conn, names, count)
+    # Outside the snapshot: the lease holders are live state.
+    async with store.read_once() as conn:
+        owners = await store.recorder.lease_holders(conn, SHARD_LEASE_LOCK)
+    return count, per_shard, owners
 
 
 async def status_report(store: Store) -> dict[str, Any]:
@@ -23,6 +38,7 @@ async def status_report(store: Store) -> dict[str, Any]:
     runner = Runner(store)
     head = await store.head()
     positions = await runner.positions()
+    count, per_shard, owners = await shard_table(store, [p.name for p in runner.projections])
     async with store.read() as conn:
         dead = int((await conn.execute(select(func.count()).select_from(t.dead_letters)))
                    .scalar() or 0)
@@ -35,7 +51,10 @@ async def status_report(store: Store) -> dict[str, Any]:
         held = await quarantine.summary(conn)
     projections: dict[str, Any] = {}
     for n, p in positions.items():
-        projections[n] = {"position": p, "lag": head - p}
+        projections[n] = {"position": p, "lag": head - p, "slowest_shard_lag": head - p,
+                          "shards": [{"shard": k, "owner": owners.get(k), "position": at,
+                                      "lag": head - at}
+                                     for k, at in sorted(per_shard[n].items())]}
         if REBUILD_MARKER + n in meta:
             projections[n]["rebuilding_since"] = meta[REBUILD_MARKER + n]
         if n + BULK_SUFFIX in meta:
@@ -49,6 +68,9 @@ async def status_report(store: Store) -> dict[str, Any]:
         "head": head,
         "projections": projections,
         "backend": store.dialect,
+        # S, and the lease holder of each shard (None: no worker holds it; SQLite
+        # workers and `memledger project` step every shard without leases).
+        "shards": {"count": count, "owners": {str(k): owners.get(k) for k in range(count)}},
         "tombstones": forgets,
         "dead_letters": dead,
         "quarantined": sum(q["count"] for q in held.values()),

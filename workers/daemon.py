@@ -176,6 +176,8 @@ class WorkerProcess:
             "projected_head": proj.reached if proj is not None else None,
             "wake_failures": self.runtime.wakes.failures,
         })
+        if self.runtime.leases is not None:
+            rec["shard_leases"] = self.runtime.leases.report()
         return rec
 
     def _housekeep(self) -> None:

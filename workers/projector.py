@@ -200,6 +200,12 @@ class Projector:
         """
         await self.store.open()
         head, at = await self._state()
+        if self.runner.owned is not None and not self.runner.owned:
+            # Sharded, and no shard leased to this process (yet): nothing of ours to do.
+            self.reached = max(self.reached, head)
+            self.passes += 1
+            self.last_pass = time.time()
+            return 0
         target = head
         moved = 0
         while True:
@@ -208,6 +214,7 @@ class Projector:
             # before each of their batches; the pass itself ends at `target`.
             goal = head if behind else target
             stepped = False
+            before = moved
             for proj in self.urgent:
                 if at[proj.name] < goal:
                     moved += await self._step(proj, goal, None)
@@ -216,7 +223,8 @@ class Projector:
                 # In order: a projection that reads other views runs behind them.
                 moved += await self._step(behind[0], target, SLICE_S)
                 stepped = True
-            if not stepped:
+            if not stepped or moved == before:
+                # (No progress: the shards this process owns changed under the pass.)
                 break
             head, at = await self._state()
         if full:

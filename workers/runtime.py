@@ -26,6 +26,7 @@ from workers.broker import (
     safe_url,
 )
 from workers.ingest import AppendBatcher
+from workers.leases import ShardLeases
 from workers.projector import Projector, sweep_forever
 from workers.publish import ingest_message
 from workers.wake import WakeListener, WakeSender, broker_sender
@@ -48,6 +49,9 @@ class Settings:
     processes: int = 1
     threads: int = DEFAULT_THREADS
     sweep_interval: float = DEFAULT_SWEEP_S
+    #: PostgreSQL: share the projection shards among the projecting processes by leases
+    #: (False: every projecting process steps every shard, taking turns per projection).
+    shard_leases: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.queues) - set(QUEUES))
@@ -88,6 +92,13 @@ class Runtime:
         self.sweeps = sweep and self.projector is not None
         self.last_sweep: float | None = None
         self.listener: WakeListener | None = None
+        # On PostgreSQL the projecting processes share the shards (`workers.leases`);
+        # on SQLite one process steps every shard (its write lock is global anyway).
+        self.leases: ShardLeases | None = None
+        if self.projector is not None and self.store.recorder.shard_leases \
+                and settings.shard_leases:
+            self.leases = ShardLeases(self.store, self.projector.runner,
+                                      on_gain=self.projector.poke)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -108,6 +119,8 @@ class Runtime:
 
             self.listener = WakeListener(self.settings.redis_url, woken)
             self.listener.start()
+        if self.leases is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.leases.run()))
         if self.sweeps:
             assert self.projector is not None
             loop = asyncio.get_running_loop()
@@ -152,7 +165,12 @@ class Runtime:
                                 ingest_message(events, deferrals=deferrals), delay=delay_ms)
 
     async def close(self) -> None:
-        """Stop the sweep and the projector, flush the last wake-up, close the store."""
+        """Give the shard leases back, stop the sweep and the projector, flush the last
+        wake-up, close the store."""
+        if self.leases is not None:
+            # At once: the other processes take the shards on their next tick (a batch
+            # of ours still in flight holds its rows until it rolls back below).
+            await self.leases.close()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -22,6 +22,25 @@ from ledger.recorder import IntegrityReport, Recorder, WriteLock, short_error
 
 #: Advisory lock ids, one per `WriteLock`.
 ADVISORY_LOCK_IDS: Final = {WriteLock.SCHEMA: 7231001, WriteLock.DEAD_LETTERS: 7231006}
+#: Advisory lock classes (two-key form `(class, n)`) of the sharded projections: a worker
+#: holds `(SHARD_LEASE_LOCK, shard)` while it owns a shard and `(WORKER_MEMBER_LOCK, id)`
+#: while it takes part in sharing them (`workers.leases`); both end with its session.
+SHARD_LEASE_LOCK: Final = 7231100
+WORKER_MEMBER_LOCK: Final = 7231101
+_HOLDERS: Final = text(
+    "SELECT l.objid, l.pid, a.application_name FROM pg_locks l "
+    "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.classid = :cls AND l.objsubid = 2 AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())")
+
+
+async def advisory_holders(conn: AsyncConnection, lock_class: int) -> dict[int, str]:
+    """Who holds the advisory locks of a class in this database: `{n: application name}`
+    (the session's `application_name`, else `pid <n>`)."""
+    rows = (await conn.execute(_HOLDERS, {"cls": lock_class})).all()
+    return {int(r[0]): str(r[2] or f"pid {r[1]}") for r in rows}
+
+
 #: Milliseconds a session may sit idle inside a transaction before the server ends it.
 IDLE_IN_TRANSACTION_MS: Final = 60000
 LOCK_TIMEOUT: Final = "30s"
@@ -51,6 +70,11 @@ class PostgresRecorder(Recorder):
                 "application_name": "memledger",
             }},
         )
+
+    shard_leases: ClassVar[bool] = True
+
+    async def lease_holders(self, conn: AsyncConnection, lock_class: int) -> dict[int, str]:
+        return await advisory_holders(conn, lock_class)
 
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))

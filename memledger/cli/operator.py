@@ -1,5 +1,5 @@
 """The operator commands: status, project, sweep, replay rebuild|retry-quarantined|audit|verify,
-backup, restore.
+shards show|set, backup, restore.
 
 Whoever runs them holds the database credentials, so they take no `--as` (some take
 `--tenant` to narrow). Each opens the store, calls one function of `projections` or
@@ -184,6 +184,55 @@ async def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_shards_show(args: argparse.Namespace) -> int:
+    """Print S, each shard's lease holder, and where each projection's shards stand."""
+    from replay.status import status_report
+
+    store = open_store(args)
+    try:
+        await store.open()
+        report = await status_report(store)
+    finally:
+        await store.close()
+    out({"shards": report["shards"], "head": report["head"],
+         "projections": {n: {"slowest_shard_lag": p["slowest_shard_lag"],
+                             "shards": p["shards"]}
+                         for n, p in report["projections"].items()}})
+    return 0
+
+
+async def cmd_shards_set(args: argparse.Namespace) -> int:
+    """Record a new number of shards per projection and rebuild every view."""
+    from replay.rebuild import set_shards
+
+    store = open_store(args)
+    try:
+        try:
+            res = await set_shards(store, args.count, progress=progress_of(args))
+        except ValidationError as e:
+            if e.field != "shards":
+                raise
+            say(f"error: {error_message(e, args)}")
+            return 2
+        out(res)
+    finally:
+        await store.close()
+    return 0
+
+
+def _add_shards(aud: Audience) -> None:
+    sh = aud.command("shards", "projection shards: show them, or set their number (with a "
+                               "rebuild)")
+    actions = sh.add_subparsers(dest="action", required=True, metavar="ACTION")
+    handles(actions.add_parser("show", help="S, each shard's lease holder, position and "
+                                            "lag per projection"), cmd_shards_show)
+    st = handles(actions.add_parser(
+        "set", help="split every projection into COUNT shards from now on, then rebuild "
+                    "every view (docs/workers.md#shards)"), cmd_shards_set)
+    st.add_argument("count", type=int, help="shards per projection (1 to 1024; default 16)")
+    st.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
 def _add_replay(aud: Audience) -> None:
     rp = aud.command("replay", "rebuild views, audit history, verify integrity")
     actions = rp.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -242,6 +291,7 @@ def add_commands(aud: Audience) -> None:
     aud.command("sweep", "purge closed tasks past retain_until (R6, R28), then project",
                 cmd_sweep)
     _add_replay(aud)
+    _add_shards(aud)
 
     bk = aud.command("backup", "one consistent, portable, checksummed backup file, taken "
                                "online (.gz: compressed)", cmd_backup)

@@ -45,7 +45,7 @@ from memledger.server.problems import (
 )
 from memledger.server.store_routes import StorePool, store_router
 from replay.audit import audit, audit_record
-from replay.status import status_report
+from replay.status import shard_table, status_report
 from replay.verify import verify
 from replay.verify.forgotten import verify_forgotten
 from workers.health import broker_report
@@ -596,15 +596,20 @@ def _routes(metrics: Metrics) -> APIRouter:
         """Prometheus text format: requests, latency, events, rejects, recall, lag."""
         ml = _ledger(request)
         lag: dict[str, int] = {}
+        shard_lag: dict[tuple[str, int], int] = {}
+        owners: dict[int, str] = {}
         with contextlib.suppress(MemledgerError):
             head = await ml.store.head()
             lag = {n: head - p for n, p in (await ml.runner.positions()).items()}
+            _, per_shard, owners = await shard_table(ml.store, list(lag))
+            shard_lag = {(n, k): head - p for n, at in per_shard.items()
+                         for k, p in at.items()}
         queues: dict[str, int] = {}
         if ml.broker_url is not None:
             rep = (await broker_report(ml.broker_url)).get("broker", {})
             queues = {q: int(v.get("ready", 0))
                       for q, v in (rep.get("queues") or {}).items()}
-        return metrics.render(lag, queues)
+        return metrics.render(lag, queues, shard_lag, owners)
 
     return r
 

@@ -82,8 +82,11 @@ class Metrics:
         """Count one rejected event or request by the error's class."""
         self.rejects[(("reason", reason),)] += 1
 
-    def render(self, lag: Mapping[str, int], queues: Mapping[str, int]) -> str:
-        """The text exposition; `lag` per projection and `queues` are read at scrape."""
+    def render(self, lag: Mapping[str, int], queues: Mapping[str, int],
+               shard_lag: Mapping[tuple[str, int], int] | None = None,
+               owners: Mapping[int, str] | None = None) -> str:
+        """The text exposition; `lag` per projection (its slowest shard's), `shard_lag`
+        per (projection, shard), shard lease `owners` and `queues` are read at scrape."""
         out: list[str] = []
 
         def counter(name: str, help_: str, data: Mapping[Labels, int]) -> None:
@@ -111,6 +114,18 @@ class Metrics:
                     f"memledger_http_rate_limited_total {self.rate_limited}"])
         gauge("memledger_projection_lag", "Events the projection is behind the head.",
               "projection", lag)
+        if shard_lag:
+            out.extend(["# HELP memledger_projection_shard_lag Events a shard of the "
+                        "projection is behind the head.",
+                        "# TYPE memledger_projection_shard_lag gauge"])
+            out.extend(f"memledger_projection_shard_lag"
+                       f"{_fmt((('projection', n), ('shard', str(k))))} {v}"
+                       for (n, k), v in sorted(shard_lag.items()))
+        if owners:
+            out.extend(["# HELP memledger_shard_lease 1 for each shard lease and its holder.",
+                        "# TYPE memledger_shard_lease gauge"])
+            out.extend(f"memledger_shard_lease{_fmt((('shard', str(k)), ('owner', o)))} 1"
+                       for k, o in sorted(owners.items()))
         if queues:
             gauge("memledger_queue_depth", "Messages ready in the broker's queue.", "queue",
                   queues)

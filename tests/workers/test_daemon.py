@@ -312,7 +312,8 @@ async def test_two_daemons_never_apply_a_batch_twice(
         env: dict[str, str], daemons: Callable[..., Daemon], ledger: Store,
         broker_url: str, tmp_path: Path) -> None:
     """Two daemons on one database: every position is applied exactly once per
-    projection (from their batch logs), and the views equal a rebuild."""
+    projection and shard (from their batch logs; on PostgreSQL they share the shards),
+    and the views equal a rebuild."""
     debug = {**env, "MEMLEDGER_LOG_LEVEL": "DEBUG"}
     a = daemons(debug, "--sweep-interval", "0.5", name="a")
     b = daemons(debug, "--sweep-interval", "0.5", name="b")
@@ -322,18 +323,23 @@ async def test_two_daemons_never_apply_a_batch_twice(
     await ledger.append([parse_event(e) for e in stream(200, prefix="direct")])
     await caught_up(ledger, 2200, 90, a, b)
     assert a.stop() == 0 and b.stop() == 0
-    applied: dict[str, list[tuple[int, int]]] = {}
+    applied: dict[tuple[str, str | None], list[tuple[int, int]]] = {}
     for d in (a, b):
         for line in d.log.read_bytes().splitlines():
             rec = orjson.loads(line) if line.startswith(b"{") else {}
             if rec.get("event") == "projection_batch":
                 last = rec["position"]
                 first = rec["after"] + 1 if "after" in rec else last - rec["events"] + 1
-                applied.setdefault(rec["projection"], []).append((first, last))
+                # A shard batch says where each shard it moved stood; else every shard.
+                moved = rec.get("shards") or {None: first - 1}
+                for shard, frm in moved.items():
+                    applied.setdefault((rec["projection"], shard), []).append((frm + 1, last))
     assert applied, "no projection_batch lines in the daemon logs"
-    for name, ranges in applied.items():
+    sharded = {k for k in applied if k[1] is not None}
+    assert not sharded or not {k for k in applied if k[1] is None}, "mixed batch kinds"
+    for key, ranges in applied.items():
         covered = sorted(p for lo, hi in ranges for p in range(lo, hi + 1))
-        assert covered == list(range(1, 2201)), f"{name}: applied twice or skipped"
+        assert covered == list(range(1, 2201)), f"{key}: applied twice or skipped"
     await assert_views_equal_rebuild(ledger, tmp_path)
 
 
