@@ -28,6 +28,7 @@ from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import DatabaseCorrupt, StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
+from ledger.vault import Vault
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -99,6 +100,9 @@ class Recorder(ABC):
     def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
         self.engine = self.create_engine(pool_size)
+        #: The vault that seals content payloads before they are inserted (None: off;
+        #: `ledger.vault`). Reads open them through the engine (`ledger.vault.attach`).
+        self.vault: Vault | None = None
         #: The write turn taken before each write transaction, if the backend has one
         #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
         self.turn: Turn | None = None
@@ -191,7 +195,10 @@ class Recorder(ABC):
     # -- events -----------------------------------------------------------------------------
     async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
                             ) -> None:
-        """Insert sealed event rows (every `events` column, `chain` set)."""
+        """Insert sealed event rows (every `events` column, `chain` set); with the vault
+        on, content payloads are encrypted here, the one place new payloads are written."""
+        if self.vault is not None:
+            self.vault.seal_rows(rows)
         await conn.execute(t.events.insert(), list(rows))
 
     async def select_events(self, conn: AsyncConnection, after: int, limit: int,

@@ -25,6 +25,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
+from ledger.vault import SealedPayload
+
 SCHEMA_VERSION: Final = 1
 
 metadata = MetaData()
@@ -59,7 +61,9 @@ events = Table(
     # What a write supersedes is a reference, not content: it survives erasure, so a
     # rebuild after a forget resolves supersession exactly as before it.
     Column("supersedes", String(256), nullable=True),
-    Column("payload", LargeBinary, nullable=True),
+    # Sealed (encrypted under its subject's data key) when the vault is on: the type
+    # opens it on the way out (`ledger.vault.SealedPayload`); the DDL is a plain blob.
+    Column("payload", SealedPayload, nullable=True),
     Column("content_digest", String(64), nullable=False),
     Column("chain", String(64), nullable=False),
     Column("recorded_at", String(40), nullable=False),

@@ -138,6 +138,8 @@ class SQLiteRecorder(Recorder):
                             ) -> None:
         # SQLAlchemy's per-row parameter processing cost ~10 us a row here; the driver
         # takes plain tuples in column order (no type needs converting).
+        if self.vault is not None:
+            self.vault.seal_rows(rows)  # content encrypted, as in `Recorder.insert_events`
         await conn.exec_driver_sql(_INSERT_EVENTS, [
             tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
