@@ -25,7 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-from ledger.vault import SealedPayload
+from ledger.vault import SealedPayload, SealedText, SealedView
 
 SCHEMA_VERSION: Final = 1
 
@@ -217,8 +217,9 @@ mem_versions = Table(
     # active | candidate | superseded | forgotten (expiry is decided at read time)
     Column("status", String(12), nullable=False),
     Column("candidate", Boolean, nullable=False),
-    Column("value", LargeBinary, nullable=True),
-    Column("text", Text, nullable=True),
+    # Content: sealed under the write's subject key when the vault is on (ledger.vault).
+    Column("value", SealedView, nullable=True),
+    Column("text", SealedText, nullable=True),
     Column("scope", String(256), nullable=True),
     Column("supersedes", String(256), nullable=True),
     Column("superseded_by", String(256), nullable=True),
@@ -258,7 +259,7 @@ task_notes = Table(
     Column("task_key", String(256), nullable=False),
     Column("type", String(32), nullable=False),
     Column("order_key", LargeBinary, nullable=False),
-    Column("body", LargeBinary, nullable=True),
+    Column("body", SealedView, nullable=True),  # sealed like mem_versions.value
     Index("ix_task_notes_task", "tenant", "task_key"),
 )
 

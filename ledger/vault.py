@@ -52,7 +52,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import LargeBinary
+from sqlalchemy import LargeBinary, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
@@ -67,6 +67,7 @@ HEADER: Final = len(MAGIC) + KEY_ID_BYTES
 #: purges, marks) keep their payload in clear, as erasure keeps it.
 SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
                                  "task.noted", "task.closed"})
+MEMORY_WRITE_TYPES: Final = frozenset({"memory.written", "memory.corrected"})
 #: The settings that switch the vault on and say where its key store is.
 ENV_ENABLE: Final = "MEMLEDGER_VAULT"
 ENV_PATH: Final = "MEMLEDGER_VAULT_PATH"
@@ -95,6 +96,21 @@ def key_id(tenant: str, idempotency_key: str) -> str:
     h = hashlib.sha256(b"memledger-vault-key\x00" + tenant.encode() + b"\x00"
                        + idempotency_key.encode())
     return h.hexdigest()[:2 * KEY_ID_BYTES]
+
+
+def memory_key_id(tenant: str, memory_id: str) -> str:
+    """The data key id of a memory write's content: by its memory id, which one write
+    holds (explicit ids are unique in a tenant) and which the view rows carry, so a
+    view row read and written again finds its key without the event."""
+    return key_id(tenant, "\x00memory\x00" + memory_id)
+
+
+def subject_of(tenant: str, typ: str, memory_id: str | None, idempotency_key: str) -> str:
+    """The data key id of an event's content: by memory id for a memory write, by
+    idempotency key for a task event."""
+    if typ in MEMORY_WRITE_TYPES and memory_id:
+        return memory_key_id(tenant, memory_id)
+    return key_id(tenant, idempotency_key)
 
 
 def is_sealed(blob: bytes | None) -> bool:
@@ -564,7 +580,8 @@ class Vault:
                 and not is_sealed(r["payload"])]
         if not todo:
             return
-        ids = [key_id(r["tenant"], r["idempotency_key"]) for r in todo]
+        ids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
+               for r in todo]
         missing = [k for k in ids if k not in self._cache]
         if missing:
             self._cache.update(self.keys.provision(missing))
@@ -587,6 +604,16 @@ class Vault:
             return blob
         k = self.key(sealed_key_id(blob))
         return None if k is None else unseal(k, blob)
+
+    def seal_view(self, kid: str, data: bytes) -> bytes | None:
+        """A view copy of subject `kid`'s content, sealed under the subject's key. No
+        key: the content came from a payload stored in clear (a ledger not yet
+        converted by `memledger vault encrypt`) and stays so; a fenced key: the
+        subject is forgotten, and nothing is stored."""
+        k = self.key(kid)
+        if k is not None:
+            return seal(kid, k, data)
+        return None if self.keys.fenced([kid]) else data
 
     def readable(self, blob: bytes) -> bool:
         """Does the key of a sealed payload exist here?"""
@@ -618,6 +645,98 @@ def attach(dialect: Dialect, vault: Vault | None) -> None:
     setattr(dialect, DIALECT_ATTR, vault)
 
 
+class Subject(bytes):
+    """Plaintext content bytes that know their subject's key id (`kid`), on their way
+    into a view column of type `SealedView`, which seals them under that key. (Only on
+    the way in: reads return plain `bytes`, which is what orjson parses.)"""
+
+    kid: str
+
+    def __new__(cls, data: bytes, kid: str) -> Subject:
+        obj = super().__new__(cls, data)
+        obj.kid = kid
+        return obj
+
+
+class SubjectText(str):
+    """A `Subject` for text columns (`SealedText`)."""
+
+    kid: str
+
+    def __new__(cls, text: str, kid: str) -> SubjectText:
+        obj = super().__new__(cls, text)
+        obj.kid = kid
+        return obj
+
+
+def subject(data: bytes | None, kid: str) -> bytes | None:
+    """`data` as the content of subject `kid` (None stays None; no `kid`: as it is)."""
+    return data if data is None or not kid else Subject(data, kid)
+
+
+def subject_text(text: str | None, kid: str) -> str | None:
+    """`text` as the content of subject `kid` (None stays None; no `kid`: as it is)."""
+    return text if text is None or not kid else SubjectText(text, kid)
+
+
+#: First characters of a sealed text value (base64 of the sealed bytes follows).
+TEXT_MAGIC: Final = "\x01mlv1:"
+
+
+def _vault_of(dialect: Dialect) -> Vault | None:
+    v: Vault | None = getattr(dialect, DIALECT_ATTR, None)
+    return v
+
+
+class SealedView(TypeDecorator[bytes]):
+    """A view column holding content (`mem_versions.value`, `task_notes.body`): a
+    `Subject` value is sealed under its subject's key on the way in, and opened on the
+    way out; once the key is destroyed it reads as None."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
+        kid = getattr(value, "kid", None)
+        vault = _vault_of(dialect)
+        if kid is None or vault is None:
+            return value  # type: ignore[no-any-return]
+        return vault.seal_view(kid, bytes(value))
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None or bytes(value[:1]) != MAGIC[:1]:
+            return value  # type: ignore[no-any-return]
+        vault = _vault_of(dialect)
+        blob = bytes(value)
+        return None if vault is None else vault.open(blob)
+
+
+class SealedText(TypeDecorator[str]):
+    """`SealedView` for a text column (`mem_versions.text`): sealed bytes are stored as
+    `TEXT_MAGIC` + base64."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        kid = getattr(value, "kid", None)
+        vault = _vault_of(dialect)
+        if kid is None or vault is None:
+            return value  # type: ignore[no-any-return]
+        sealed = vault.seal_view(kid, str(value).encode())
+        if sealed is None or not is_sealed(sealed):
+            return None if sealed is None else str(value)
+        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        if value is None or not value.startswith(TEXT_MAGIC):
+            return value  # type: ignore[no-any-return]
+        vault = _vault_of(dialect)
+        blob = base64.b64decode(value[len(TEXT_MAGIC):])
+        plain = None if vault is None else vault.open(blob)
+        return None if plain is None else plain.decode()
+
+
 class SealedPayload(TypeDecorator[bytes]):
     """`events.payload`: binary; a sealed value is opened on its way out of the
     database with the vault attached to the engine (`attach`), so every reader of
@@ -632,5 +751,6 @@ class SealedPayload(TypeDecorator[bytes]):
     def process_result_value(self, value: Any, dialect: Dialect) -> bytes | None:
         if value is None or bytes(value[:1]) != MAGIC[:1]:
             return value  # type: ignore[no-any-return]
-        vault: Vault | None = getattr(dialect, DIALECT_ATTR, None)
-        return None if vault is None else vault.open(bytes(value))
+        vault = _vault_of(dialect)
+        blob = bytes(value)
+        return None if vault is None else vault.open(blob)

@@ -22,7 +22,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import Recorder
 from ledger.records import StoredEvent
 from ledger.store import Store
-from ledger.vault import key_id
+from ledger.vault import subject_of
 from projections.sql import chunks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -101,9 +101,9 @@ async def shred_keys(store: Store, conn: AsyncConnection, ts: Tombstone) -> int:
     if store.vault is None:
         return 0
     ev = t.events.c
-    rows = (await conn.execute(select(ev.tenant, ev.idempotency_key).where(
-        covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES)))).all()
-    return store.vault.destroy(key_id(r[0], r[1]) for r in rows)
+    rows = (await conn.execute(select(ev.tenant, ev.type, ev.memory_id, ev.idempotency_key)
+                               .where(covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES)))).all()
+    return store.vault.destroy(subject_of(r[0], r[1], r[2], r[3]) for r in rows)
 
 
 async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:

@@ -67,7 +67,8 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
     """
     if not rows:
         return
-    if store.dialect != "sqlite":
+    if store.dialect != "sqlite" or store.vault is not None:
+        # With the vault on, content columns must pass through their type to be sealed.
         await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
         return
     key = (table.name, ignore)
@@ -96,7 +97,8 @@ async def fetch(store: Store, conn: AsyncConnection, stmt: Any) -> Sequence[Sequ
     SQLAlchemy quotes and escapes. Columns come back as the driver's types (0/1 for
     booleans on SQLite).
     """
-    if store.dialect != "sqlite":
+    if store.dialect != "sqlite" or store.vault is not None:
+        # With the vault on, sealed columns must pass through their type to be opened.
         return (await conn.execute(stmt)).all()
     sql = str(stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
     return (await conn.exec_driver_sql(sql)).all()

@@ -20,6 +20,7 @@ from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
+from ledger.vault import key_id, subject
 from projections.sql import chunks, insert_rows
 from projections.tasks import Note, note_body, summarize
 
@@ -73,7 +74,9 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
 def note_row(se: StoredEvent) -> dict[str, Any]:
     """The `task_notes` row of a task event."""
     return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
-            "type": se.type, "order_key": se.order_key, "body": _enc(note_body(se))}
+            "type": se.type, "order_key": se.order_key,
+            # The body carries its event's key id: the view seals it (ledger.vault).
+            "body": subject(_enc(note_body(se)), key_id(se.tenant, se.idempotency_key))}
 
 
 def _enc(obj: Any) -> bytes | None:

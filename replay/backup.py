@@ -51,7 +51,7 @@ from ledger.forgets import tombstone_from_row
 from ledger.records import now_iso
 from ledger.register import DAMAGED_POLICIES
 from ledger.store import Store
-from ledger.vault import SEALED_TYPES, is_sealed, key_id, sealed_key_id
+from ledger.vault import SEALED_TYPES, is_sealed, sealed_key_id, subject_of
 from projections.registry import default_projections
 from replay.errors import DatabaseNotEmpty, KeyStoreMissing, RegisterDamaged, RegisterMissing
 from replay.progress import Progress, ProgressCallback
@@ -502,9 +502,11 @@ class _Keys:
             elif v is not None and r["type"] in SEALED_TYPES:
                 plain.append(r)
         if plain and v is not None:
-            gone = v.fenced(key_id(r["tenant"], r["idempotency_key"]) for r in plain)
-            for r in plain:
-                if key_id(r["tenant"], r["idempotency_key"]) in gone:
+            kids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
+                    for r in plain]
+            gone = v.fenced(kids)
+            for r, k in zip(plain, kids, strict=True):
+                if k in gone:
                     r["payload"], r["redacted"] = None, True
                     self.counts["redacted_key_destroyed"] += 1
             todo = [r for r in plain if r["payload"] is not None]
