@@ -19,7 +19,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Final, NoReturn, Protocol
 
-from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.dml import Insert
@@ -232,6 +243,20 @@ class Recorder(ABC):
                                  .values(payload=None, redacted=True))
         return int(res.rowcount or 0)
 
+    @staticmethod
+    async def replace_payloads(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> int:
+        """Set the payload (and `redacted`) of events by position: `memledger vault
+        encrypt` replacing plaintext content by its sealed form. Envelopes, digests
+        and links are untouched, so the chain still holds."""
+        if not rows:
+            return 0
+        await conn.execute(update(t.events).where(t.events.c.position == bindparam("pos"))
+                           .values(payload=bindparam("new_payload"),
+                                   redacted=bindparam("new_redacted")),
+                           [{"pos": r["position"], "new_payload": r["payload"],
+                             "new_redacted": r["redacted"]} for r in rows])
+        return len(rows)
+
     # -- tombstones -------------------------------------------------------------------------
     async def select_tombstones(self, conn: AsyncConnection,
                                 tenants: Iterable[str] | None = None,
@@ -283,6 +308,12 @@ class Recorder(ABC):
     @abstractmethod
     async def reclaim(self) -> None:
         """After an erasure: drop old copies of erased content where the backend can."""
+
+    @abstractmethod
+    async def compact(self) -> None:
+        """Rewrite the content tables' files so no old copy of a row is left in them
+        (SQLite: VACUUM, then truncate the WAL; PostgreSQL: VACUUM FULL, which locks
+        each table while it is rewritten). For `memledger vault encrypt`."""
 
     async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
         """Dead row versions still held per content table (where the backend keeps them)."""

@@ -272,7 +272,7 @@ tasks_view = Table(
     Column("status", String(8), nullable=False),
     Column("retain_until_us", BigInteger, nullable=True),
     Column("purged", Boolean, nullable=False),
-    Column("summary", LargeBinary, nullable=False),
+    Column("summary", SealedView, nullable=False),  # sealed like mem_versions.value
     PrimaryKeyConstraint("tenant", "task_key"),
     Index("ix_tasks_owner", "tenant", "ns_path", "status"),
 )

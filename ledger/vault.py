@@ -105,6 +105,13 @@ def memory_key_id(tenant: str, memory_id: str) -> str:
     return key_id(tenant, "\x00memory\x00" + memory_id)
 
 
+def summary_key_id(tenant: str, task_key: str) -> str:
+    """The data key id of a task's summary in the tasks view: one per task, destroyed
+    by the first purge or prefix forget that reaches the task (which is never served
+    again after that, so its summary keeps no content from then on)."""
+    return key_id(tenant, "\x00summary\x00" + task_key)
+
+
 def subject_of(tenant: str, typ: str, memory_id: str | None, idempotency_key: str) -> str:
     """The data key id of an event's content: by memory id for a memory write, by
     idempotency key for a task event."""
@@ -123,19 +130,21 @@ def sealed_key_id(blob: bytes) -> str:
     return bytes(blob[len(MAGIC):HEADER]).hex()
 
 
-def seal(kid: str, key: bytes, plaintext: bytes) -> bytes:
-    """Encrypt `plaintext` under the data key `key` (id `kid`)."""
+def seal(kid: str, key: bytes | AESGCM, plaintext: bytes) -> bytes:
+    """Encrypt `plaintext` under the data key `key` (id `kid`; the key, or its cipher)."""
     head = MAGIC + bytes.fromhex(kid)
     nonce = os.urandom(NONCE_BYTES)
-    return head + nonce + AESGCM(key).encrypt(nonce, plaintext, head)
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
+    return head + nonce + aead.encrypt(nonce, plaintext, head)
 
 
-def unseal(key: bytes, blob: bytes) -> bytes:
+def unseal(key: bytes | AESGCM, blob: bytes) -> bytes:
     """Decrypt a sealed payload; `VaultError` if it was altered or the key is wrong."""
     blob = bytes(blob)
     head, nonce = blob[:HEADER], blob[HEADER:HEADER + NONCE_BYTES]
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
     try:
-        return AESGCM(key).decrypt(nonce, blob[HEADER + NONCE_BYTES:], head)
+        return aead.decrypt(nonce, blob[HEADER + NONCE_BYTES:], head)
     except InvalidTag:
         raise VaultError(f"sealed payload under key {sealed_key_id(blob)} fails its "
                          "authentication tag (altered, or the wrong key store)") from None
@@ -571,7 +580,9 @@ class Vault:
 
     def __init__(self, keys: KeyStore) -> None:
         self.keys = keys
-        self._cache: dict[str, bytes] = {}
+        # Ciphers by key id: building one costs as much as a decryption (~10 us), and
+        # a view row is opened on every `get`. Dropped when the key is destroyed.
+        self._cache: dict[str, AESGCM] = {}
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         """Encrypt, in place, the payload of every content row (one durable key
@@ -584,17 +595,24 @@ class Vault:
                for r in todo]
         missing = [k for k in ids if k not in self._cache]
         if missing:
-            self._cache.update(self.keys.provision(missing))
+            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
         for r, kid in zip(todo, ids, strict=True):
             r["payload"] = seal(kid, self._cache[kid], r["payload"])
 
-    def key(self, kid: str) -> bytes | None:
-        """The data key of `kid`, or None if it is destroyed or absent."""
+    def ensure(self, ids: Iterable[str]) -> None:
+        """Provision the keys of `ids` that do not exist (one durable write for all);
+        a fenced id raises `KeyFenced`."""
+        missing = sorted({k for k in ids if k not in self._cache})
+        if missing:
+            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
+
+    def key(self, kid: str) -> AESGCM | None:
+        """The cipher of data key `kid`, or None if the key is destroyed or absent."""
         k = self._cache.get(kid)
         if k is None:
-            k = self.keys.load([kid]).get(kid)
-            if k is not None:
-                self._cache[kid] = k
+            raw = self.keys.load([kid]).get(kid)
+            if raw is not None:
+                k = self._cache[kid] = AESGCM(raw)
         return k
 
     def open(self, blob: bytes | None) -> bytes | None:

@@ -22,7 +22,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import Recorder
 from ledger.records import StoredEvent
 from ledger.store import Store
-from ledger.vault import subject_of
+from ledger.vault import subject_of, summary_key_id
 from projections.sql import chunks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -103,7 +103,13 @@ async def shred_keys(store: Store, conn: AsyncConnection, ts: Tombstone) -> int:
     ev = t.events.c
     rows = (await conn.execute(select(ev.tenant, ev.type, ev.memory_id, ev.idempotency_key)
                                .where(covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES)))).all()
-    return store.vault.destroy(subject_of(r[0], r[1], r[2], r[3]) for r in rows)
+    kids = [subject_of(r[0], r[1], r[2], r[3]) for r in rows]
+    # The summary keys of the tasks it reaches as a whole (a purge, a prefix forget of
+    # the owner), found through the ledger's task owners: the tasks view may lag.
+    to = t.task_owners.c
+    kids += [summary_key_id(r[0], r[1]) for r in (await conn.execute(
+        select(to.tenant, to.task_key).where(covers_sql(ts, to, order_key=None)))).all()]
+    return store.vault.destroy(kids)
 
 
 async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:

@@ -173,6 +173,12 @@ class SQLiteRecorder(Recorder):
         async with self._read_once() as conn:
             await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
+    async def compact(self) -> None:
+        async with self.engine.connect() as c0:
+            conn = await c0.execution_options(memledger_no_begin=True)
+            await conn.exec_driver_sql("VACUUM")
+            await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
     async def erasure_leftovers(self) -> list[dict[str, Any]]:
         """A WAL that still holds page images, or secure_delete off (file databases)."""
         if ":memory:" in self.url:

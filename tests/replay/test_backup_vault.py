@@ -189,26 +189,27 @@ async def test_backup_before_forget_holds_nothing_readable(db_url: str,
 async def test_copy_of_the_sqlite_files_before_a_forget(sqlite_url: str,
                                                         tmp_path: Path) -> None:
     """A copy of the database, its WAL and the files beside it (all but the key store)
-    taken before a forget: the ledger's payloads and the memory views in it are sealed,
-    so once the forget destroys the key the value is readable nowhere in the copy; the
-    kept memory's key still opens its own content only."""
+    taken before a forget and a purge: payloads, memory values and texts, task notes and
+    the task summary in it are sealed, so once the forget and the purge destroy their
+    keys the values are readable nowhere in the copy; the kept memory's key still opens
+    its own content only."""
     db = Path(sqlite_url.split(":///", 1)[1])
     store = vault_store(sqlite_url, tmp_path)
     copy = tmp_path / "copy"
     copy.mkdir()
     try:
-        await append(store, story()[:2])
+        await append(store, story())
         # Everything beside the ledger but the key store (database, WAL, register).
         for p in list(tmp_path.iterdir()):  # noqa: ASYNC240 - a test's own files
             if p.is_file() and p.name != "ledger.vault":
                 shutil.copy(p, copy / p.name)
-        await append(store, FORGETS[:1])
+        await append(store, FORGETS)
     finally:
         await store.close()
     copied = b"".join(p.read_bytes() for p in copy.iterdir())
     assert copied  # the database files were copied
-    assert not readable_anywhere(copied, SECRET)
-    assert not readable_anywhere(copied, KEPT)
+    for secret in (SECRET, NOTE_SECRET, KEPT):  # events, memory views, notes, summary
+        assert not readable_anywhere(copied, secret), secret
     # The copy opened with what is left on the machine: the forgotten value is gone,
     # the kept one is there.
     opened = Store(f"sqlite+aiosqlite:///{copy / db.name}",
