@@ -340,3 +340,37 @@ async def _interleaving(where: Path, ops: list[tuple[str, int]]) -> None:
             assert not any(f in b for f in forms for b in blobs)
     finally:
         await store.close()
+
+
+async def test_restore_of_a_clear_backup_into_the_vault(sqlite_url: str,
+                                                        tmp_path: Path) -> None:
+    """A backup written in clear (before the vault), restored into a ledger with the
+    vault on, is sealed as it loads, and what a forget since destroyed the key of
+    restores redacted."""
+    plain = Store(sqlite_url, register_path=str(tmp_path / "ledger.forgets"), vault=False)
+    try:
+        await append(plain, story())
+        await backup(plain, tmp_path / "clear.jsonl")
+    finally:
+        await plain.close()
+    target_url = f"sqlite+aiosqlite:///{tmp_path / 'target.db'}"
+    keys = FileKeyStore(tmp_path / "target.vault")
+    mid = derive_memory_id("shop-a", "b1")
+    keys.provision([subject_of("shop-a", "memory.written", mid, "b1")])
+    keys.destroy([subject_of("shop-a", "memory.written", mid, "b1")])  # forgotten since
+    target = Store(target_url, register_path=str(tmp_path / "ledger.forgets"), vault=keys)
+    try:
+        out = await restore(target, tmp_path / "clear.jsonl", without_register=True)
+        assert out["vault"]["sealed_now"] == 3
+        assert out["vault"]["redacted_key_destroyed"] == 1
+        async with target.read() as conn:
+            lang = await reads.get(conn, U7, NS7, "lang", now_us=NOW)
+            pin = await reads.get(conn, U7, NS7, "pin", now_us=NOW)
+    finally:
+        await target.close()
+    assert lang["found"] and lang["value"] == KEPT
+    assert pin == {"found": False}
+    db = Path(target_url.split(":///", 1)[1])
+    files = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
+    for secret in (SECRET, NOTE_SECRET, KEPT):
+        assert secret.encode() not in files, secret
