@@ -755,6 +755,17 @@ class SealedText(TypeDecorator[str]):
         return None if plain is None else plain.decode()
 
 
+def seal_columns(table: Any, rows: Sequence[dict[str, Any]], dialect: Dialect
+                 ) -> Sequence[dict[str, Any]]:
+    """`rows` with their sealed view columns sealed as their types would on the way in:
+    for a writer that hands the driver plain tuples and so skips the types."""
+    cols = [(c.name, c.type) for c in table.columns if isinstance(c.type, SealedView | SealedText)]
+    if not cols or _vault_of(dialect) is None:
+        return rows
+    return [{**r, **{name: typ.process_bind_param(r[name], dialect) for name, typ in cols}}
+            for r in rows]
+
+
 class SealedPayload(TypeDecorator[bytes]):
     """`events.payload`: binary; a sealed value is opened on its way out of the
     database with the vault attached to the engine (`attach`), so every reader of

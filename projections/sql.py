@@ -18,6 +18,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.store import Store
+from ledger.vault import seal_columns
 
 
 def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
@@ -67,10 +68,12 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
     """
     if not rows:
         return
-    if store.dialect != "sqlite" or store.vault is not None:
-        # With the vault on, content columns must pass through their type to be sealed.
+    if store.dialect != "sqlite":
         await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
         return
+    if store.vault is not None:
+        # The driver gets plain tuples: seal the content columns as their types would.
+        rows = seal_columns(table, rows, conn.dialect)
     key = (table.name, ignore)
     got = _INSERTS.get(key)
     if got is None:
