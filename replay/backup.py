@@ -541,14 +541,17 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
     ledger, forgets, sealed = _backup_forgets(reader)
     header = reader.header
     await store.open()
-    keys = _Keys(store, sealed, envelopes_only=envelopes_only)
     if not store.register.exists() and not without_register:
         raise RegisterMissing(store.register.path)
     repaired = None
+    problems: list[str] = []
     if store.register.exists():
         problems = store.register.scan().problems(ledger=ledger, expected=forgets)
         if problems and register_damaged == "refuse":
             raise RegisterDamaged(problems[0])
+    # No key store for sealed content: refused here, before anything is changed.
+    keys = _Keys(store, sealed, envelopes_only=envelopes_only)
+    if store.register.exists():
         if problems:
             repaired = store.register.repair(ledger)
         if ledger is None:
