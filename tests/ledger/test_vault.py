@@ -230,3 +230,25 @@ def test_keys_never_in_errors(tmp_path: Path) -> None:
     assert len(messages) == 2
     for m in messages:
         assert key.hex() not in m and base64.b64encode(key).decode() not in m
+
+
+def test_master_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """`MEMLEDGER_VAULT_MASTER_KEY` (or its `_FILE`) wraps the key store's keys; a key
+    that is not base64 of 32 bytes is refused with a message that does not echo it."""
+    master = base64.b64encode(bytes(range(1, 33))).decode()
+    monkeypatch.setenv("MEMLEDGER_VAULT_MASTER_KEY", master)
+    url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    ks = key_store_for(url)
+    assert ks.wrapper.name == "master-key"
+    key = ks.provision(["ab" * 16])["ab" * 16]
+    assert base64.b64encode(key) not in (tmp_path / "l.db.vault").read_bytes()
+    monkeypatch.delenv("MEMLEDGER_VAULT_MASTER_KEY")
+    (tmp_path / "mk").write_text(master + "\n")
+    monkeypatch.setenv("MEMLEDGER_VAULT_MASTER_KEY_FILE", str(tmp_path / "mk"))
+    assert key_store_for(url).load() == {"ab" * 16: key}
+    monkeypatch.delenv("MEMLEDGER_VAULT_MASTER_KEY_FILE")
+    monkeypatch.setenv("MEMLEDGER_VAULT_MASTER_KEY", "c2hvcnQ=")
+    with pytest.raises(VaultError, match="32 bytes") as e:
+        key_store_for(url)
+    assert "c2hvcnQ=" not in str(e.value)
