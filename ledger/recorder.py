@@ -19,7 +19,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Final, NoReturn, Protocol
 
-from sqlalchemy import ColumnElement, Select, Table, and_, delete, func, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.dml import Insert
@@ -28,6 +39,7 @@ from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import DatabaseCorrupt, StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
+from ledger.vault import Vault
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -99,6 +111,9 @@ class Recorder(ABC):
     def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
         self.engine = self.create_engine(pool_size)
+        #: The vault that seals content payloads before they are inserted (None: off;
+        #: `ledger.vault`). Reads open them through the engine (`ledger.vault.attach`).
+        self.vault: Vault | None = None
         #: The write turn taken before each write transaction, if the backend has one
         #: and it was asked for (`ledger.backends.sqlite.WriteTurn`).
         self.turn: Turn | None = None
@@ -199,7 +214,10 @@ class Recorder(ABC):
     # -- events -----------------------------------------------------------------------------
     async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
                             ) -> None:
-        """Insert sealed event rows (every `events` column, `chain` set)."""
+        """Insert sealed event rows (every `events` column, `chain` set); with the vault
+        on, content payloads are encrypted here, the one place new payloads are written."""
+        if self.vault is not None:
+            self.vault.seal_rows(rows)
         await conn.execute(t.events.insert(), list(rows))
 
     async def select_events(self, conn: AsyncConnection, after: int, limit: int,
@@ -232,6 +250,20 @@ class Recorder(ABC):
         res = await conn.execute(update(t.events).where(*where, t.events.c.payload.is_not(None))
                                  .values(payload=None, redacted=True))
         return int(res.rowcount or 0)
+
+    @staticmethod
+    async def replace_payloads(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> int:
+        """Set the payload (and `redacted`) of events by position: `memledger vault
+        encrypt` replacing plaintext content by its sealed form. Envelopes, digests
+        and links are untouched, so the chain still holds."""
+        if not rows:
+            return 0
+        await conn.execute(update(t.events).where(t.events.c.position == bindparam("pos"))
+                           .values(payload=bindparam("new_payload"),
+                                   redacted=bindparam("new_redacted")),
+                           [{"pos": r["position"], "new_payload": r["payload"],
+                             "new_redacted": r["redacted"]} for r in rows])
+        return len(rows)
 
     # -- tombstones -------------------------------------------------------------------------
     async def select_tombstones(self, conn: AsyncConnection,
@@ -284,6 +316,12 @@ class Recorder(ABC):
     @abstractmethod
     async def reclaim(self) -> None:
         """After an erasure: drop old copies of erased content where the backend can."""
+
+    @abstractmethod
+    async def compact(self) -> None:
+        """Rewrite the content tables' files so no old copy of a row is left in them
+        (SQLite: VACUUM, then truncate the WAL; PostgreSQL: VACUUM FULL, which locks
+        each table while it is rewritten). For `memledger vault encrypt`."""
 
     async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
         """Dead row versions still held per content table (where the backend keeps them)."""

@@ -25,6 +25,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
+from ledger.vault import SealedPayload, SealedText, SealedView
+
 SCHEMA_VERSION: Final = 1
 
 metadata = MetaData()
@@ -59,7 +61,9 @@ events = Table(
     # What a write supersedes is a reference, not content: it survives erasure, so a
     # rebuild after a forget resolves supersession exactly as before it.
     Column("supersedes", String(256), nullable=True),
-    Column("payload", LargeBinary, nullable=True),
+    # Sealed (encrypted under its subject's data key) when the vault is on: the type
+    # opens it on the way out (`ledger.vault.SealedPayload`); the DDL is a plain blob.
+    Column("payload", SealedPayload, nullable=True),
     Column("content_digest", String(64), nullable=False),
     Column("chain", String(64), nullable=False),
     Column("recorded_at", String(40), nullable=False),
@@ -227,8 +231,9 @@ mem_versions = Table(
     # active | candidate | superseded | forgotten (expiry is decided at read time)
     Column("status", String(12), nullable=False),
     Column("candidate", Boolean, nullable=False),
-    Column("value", LargeBinary, nullable=True),
-    Column("text", Text, nullable=True),
+    # Content: sealed under the write's subject key when the vault is on (ledger.vault).
+    Column("value", SealedView, nullable=True),
+    Column("text", SealedText, nullable=True),
     Column("scope", String(256), nullable=True),
     Column("supersedes", String(256), nullable=True),
     Column("superseded_by", String(256), nullable=True),
@@ -268,7 +273,7 @@ task_notes = Table(
     Column("task_key", String(256), nullable=False),
     Column("type", String(32), nullable=False),
     Column("order_key", LargeBinary, nullable=False),
-    Column("body", LargeBinary, nullable=True),
+    Column("body", SealedView, nullable=True),  # sealed like mem_versions.value
     Index("ix_task_notes_task", "tenant", "task_key"),
 )
 
@@ -281,7 +286,7 @@ tasks_view = Table(
     Column("status", String(8), nullable=False),
     Column("retain_until_us", BigInteger, nullable=True),
     Column("purged", Boolean, nullable=False),
-    Column("summary", LargeBinary, nullable=False),
+    Column("summary", SealedView, nullable=False),  # sealed like mem_versions.value
     PrimaryKeyConstraint("tenant", "task_key"),
     Index("ix_tasks_owner", "tenant", "ns_path", "status"),
 )

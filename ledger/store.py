@@ -31,6 +31,15 @@ from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent
 from ledger.register import ForgetRegister, default_register_path
+from ledger.vault import (
+    FileKeyStore,
+    KeyStore,
+    Vault,
+    attach,
+    default_key_store_path,
+    enabled_by_env,
+    key_store_for,
+)
 
 configure_default()
 log = structlog.get_logger("memledger.ledger")
@@ -38,13 +47,30 @@ log = structlog.get_logger("memledger.ledger")
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
 
 
+def open_vault(url: str, setting: bool | KeyStore | None) -> Vault | None:
+    """The vault a store uses: an explicit key store, on/off, or (None) the setting
+    `MEMLEDGER_VAULT`, and when that is unset, on if the key store file exists."""
+    if isinstance(setting, KeyStore):
+        return Vault(setting)
+    on = setting if setting is not None else enabled_by_env()
+    if on is None:
+        path = default_key_store_path(url)
+        on = path is not None and FileKeyStore(path).exists()
+    return Vault(key_store_for(url)) if on else None
+
+
 class Store:
     """The ledger database: append events, read them back, manage the schema."""
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
-                 pool_size: int = 5, write_turns: bool = False) -> None:
+                 pool_size: int = 5, write_turns: bool = False,
+                 vault: bool | KeyStore | None = None) -> None:
         """`write_turns`: write transactions take turns with other processes on the
-        same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons)."""
+        same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons).
+
+        `vault`: encrypt content under per-subject keys (`ledger.vault`): True, False,
+        a `KeyStore`, or None for the setting `MEMLEDGER_VAULT` (and, when that is not
+        set, on if the ledger's key store file exists)."""
         self.url = url or os.environ.get("MEMLEDGER_DB_URL") or DEFAULT_URL
         self.recorder = recorder_for(self.url, pool_size=pool_size, write_turns=write_turns)
         self.turn = self.recorder.turn
@@ -53,6 +79,10 @@ class Store:
         self.dialect = self.recorder.name
         self.engine = self.recorder.engine
         self.register = ForgetRegister(register_path or default_register_path(self.url))
+        #: The vault (None: content is stored in clear). See `ledger.vault`.
+        self.vault = open_vault(self.url, vault)
+        self.recorder.vault = self.vault
+        attach(self.engine.sync_engine.dialect, self.vault)
         self._queue: list[Request] = []
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -120,6 +150,8 @@ class Store:
                 await self._writer
             self._writer = None
         await self.recorder.dispose()
+        if self.vault is not None:
+            self.vault.close()
 
     def on_commit(self, listener: Callable[[int], Any]) -> None:
         """Call `listener(head_position)` after each append transaction commits."""

@@ -192,9 +192,11 @@ _CANDIDATE_SQL: Final = ("(e.layer = 'long' AND e.source_kind IN ("
 _PAYLOAD: Final = "CAST(e.payload AS TEXT)"
 #: SQL, over `events AS e` with one parameter, the head: the write is its slot's only
 #: write up to the head and resolves without Python. A payload holding an escaped NUL
-#: is left to Python: SQLite's `->>` cuts a string at NUL.
+#: is left to Python: SQLite's `->>` cuts a string at NUL; so is a sealed one.
 _PLAIN_SLOT: Final = (
     "e.payload IS NOT NULL AND e.suppressed = 0"
+    # A sealed payload (`ledger.vault`) is no JSON: SQL cannot read it, Python opens it.
+    " AND substr(e.payload, 1, 1) = X'7B'"
     f" AND instr({_PAYLOAD}, '\\u0000') = 0"
     f" AND {_PAYLOAD} ->> '$.data.expires_at' IS NULL"
     " AND NOT EXISTS (SELECT 1 FROM events AS o WHERE o.slot = e.slot"

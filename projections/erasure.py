@@ -1,8 +1,10 @@
 """Erasure: covered content leaves the ledger's own payloads once a forget is appended.
 
 The envelope, digest and hash chain stay, so `replay verify` still passes; the
-content goes (R20). Views erase their own copies in their own projections. Which
-events a tombstone covers is the one rule of `ledger.forgets`.
+content goes (R20). With the vault on, the data keys of the covered events are
+destroyed first (`shred_keys`), so copies of their ciphertext elsewhere go with them.
+Views erase their own copies in their own projections. Which events a tombstone
+covers is the one rule of `ledger.forgets`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import Recorder
 from ledger.records import StoredEvent
 from ledger.store import Store
+from ledger.vault import subject_of, summary_key_id
 from projections.sql import chunks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -43,6 +46,7 @@ class ErasureProjection:
             conn, {se.tenant for se in batch if se.type in FORGETS},
             upto=batch[-1].position) if batch[0].position <= ts.position]
         for ts in tombs:
+            await shred_keys(store, conn, ts)
             await erase_payloads(conn, ts)
             await erase_dead_letters(conn, ts)
 
@@ -88,6 +92,24 @@ async def erase_dead_letters(conn: AsyncConnection, ts: Tombstone) -> int:
     for chunk in chunks(hit, 500):
         await conn.execute(update(t.dead_letters).where(dl.id.in_(chunk)).values(payload=None))
     return len(hit)
+
+
+async def shred_keys(store: Store, conn: AsyncConnection, ts: Tombstone) -> int:
+    """Destroy the data keys of every event a tombstone covers (fenced durably first,
+    `ledger.vault`): each copy of their ciphertext, in a backup or a copy of the
+    database file, becomes unreadable. Returns how many keys were fenced now."""
+    if store.vault is None:
+        return 0
+    ev = t.events.c
+    rows = (await conn.execute(select(ev.tenant, ev.type, ev.memory_id, ev.idempotency_key)
+                               .where(covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES)))).all()
+    kids = [subject_of(r[0], r[1], r[2], r[3]) for r in rows]
+    # The summary keys of the tasks it reaches as a whole (a purge, a prefix forget of
+    # the owner), found through the ledger's task owners: the tasks view may lag.
+    to = t.task_owners.c
+    kids += [summary_key_id(r[0], r[1]) for r in (await conn.execute(
+        select(to.tenant, to.task_key).where(covers_sql(ts, to, order_key=None)))).all()]
+    return store.vault.destroy(kids)
 
 
 async def erase_payloads(conn: AsyncConnection, ts: Tombstone) -> int:

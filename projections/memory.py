@@ -26,6 +26,7 @@ from ledger.events import (
 )
 from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.records import StoredEvent
+from ledger.vault import is_sealed, memory_key_id, subject, subject_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +76,17 @@ def _fact(tenant: str, memory_id: str, slot: str, nsp: str, key: str, layer: str
           suppressed: bool) -> WriteFact:
     """A write fact from the envelope's fields, the source's wire form and the `data`
     (empty once the content is erased)."""
+    kid = memory_key_id(tenant, memory_id)
     return WriteFact(
         tenant=tenant, memory_id=memory_id, slot=slot, ns_path=nsp, key=key,
         layer=layer or "long", task_key=task_key, session_id=data.get("session_id"),
         position=position, order=order,
         candidate=layer == "long" and source["kind"] in CANDIDATE_KINDS, actor=actor,
         source=encode_json({**source, "actor": actor}),
-        value=encode_json(data["value"]) if "value" in data else None,
-        text=data.get("text"), scope=data.get("scope"), supersedes=supersedes,
+        # Content bytes carry their subject's key id: the view seals them (ledger.vault).
+        value=subject(encode_json(data["value"]), kid) if "value" in data else None,
+        text=subject_text(data.get("text"), kid), scope=data.get("scope"),
+        supersedes=supersedes,
         expires_at=data.get("expires_at"), suppressed=suppressed,
     )
 
@@ -103,6 +107,8 @@ def write_fact_of_row(r: Sequence[Any]) -> WriteFact:
     """
     (position, tenant, actor, kind, sid, at, seq, event_id, order, slot, memory_id, nsp,
      key, layer, task_key, supersedes, suppressed, payload) = r
+    if is_sealed(payload):  # read raw and not opened: no vault here, so no content
+        payload = None
     data = orjson.loads(payload)["data"] if payload is not None else {}
     return _fact(tenant, memory_id, slot, nsp, key, layer, task_key, int(position),
                  bytes(order), actor, source_wire(kind, sid, at, seq, event_id), data,
@@ -231,12 +237,16 @@ def _row(w: WriteFact, status: str, erased: bool, superseded_by: str | None) -> 
 
 def fact_from_row(r: Any) -> WriteFact:
     """Rebuild the write fact of a stored view row."""
+    kid = memory_key_id(r.tenant, r.memory_id)
     return WriteFact(
         tenant=r.tenant, memory_id=r.memory_id, slot=r.slot, ns_path=r.ns_path, key=r.mkey,
         layer=r.layer, task_key=r.task_key, session_id=r.session_id, position=r.position,
         order=bytes(r.order_key), candidate=bool(r.candidate), actor=r.actor,
-        source=bytes(r.source), value=bytes(r.value) if r.value is not None else None,
-        text=r.text, scope=r.scope, supersedes=r.supersedes, expires_at=r.expires_at,
+        # Rewritten rows are sealed again under their subject's key (ledger.vault).
+        source=bytes(r.source),
+        value=subject(bytes(r.value), kid) if r.value is not None else None,
+        text=subject_text(r.text, kid), scope=r.scope, supersedes=r.supersedes,
+        expires_at=r.expires_at,
         suppressed=r.status == "forgotten",
     )
 

@@ -19,6 +19,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.store import Store
+from ledger.vault import seal_columns
 
 
 def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
@@ -71,6 +72,9 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
     if store.dialect != "sqlite":
         await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
         return
+    if store.vault is not None:
+        # The driver gets plain tuples: seal the content columns as their types would.
+        rows = seal_columns(table, rows, conn.dialect)
     key = (table.name, ignore)
     got = _INSERTS.get(key)
     if got is None:
@@ -117,7 +121,8 @@ async def fetch(store: Store, conn: AsyncConnection, stmt: Any) -> Sequence[Sequ
     SQLAlchemy quotes and escapes. Columns come back as the driver's types (0/1 for
     booleans on SQLite).
     """
-    if store.dialect != "sqlite":
+    if store.dialect != "sqlite" or store.vault is not None:
+        # With the vault on, sealed columns must pass through their type to be opened.
         return (await conn.execute(stmt)).all()
     sql = str(stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
     return (await conn.exec_driver_sql(sql)).all()

@@ -20,6 +20,7 @@ from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
+from ledger.vault import Subject, key_id, subject, summary_key_id
 from projections.sql import chunks, insert_rows
 from projections.tasks import Note, note_body, summarize
 
@@ -48,6 +49,10 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
         tombs_of.setdefault(x.tenant, []).append(x)
     rows = []
     erase: list[int] = []
+    vault = store.vault
+    fenced: set[str] = set()
+    if vault is not None:
+        fenced = vault.fenced(summary_key_id(*k) for k in by_task)
     for (tenant, task_key), ns in by_task.items():
         owner = owners.get((tenant, task_key))
         tt = tombs_of.get(tenant, [])
@@ -58,10 +63,22 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
         # The task as a whole, by its owner's namespace alone: a prefix forget of it.
         forgotten_owner = owner is not None and any(
             covers(x, Coordinates(tenant, ns_path=owner)) for x in tt)
+        summary = res["summary"]
+        if vault is not None:
+            # Sealed under the task's summary key; a task a purge or prefix forget has
+            # reached is never served again and keeps a summary without content.
+            kid = summary_key_id(tenant, task_key)
+            if res["purged"] or forgotten_owner or kid in fenced:
+                summary = encode_json({"task_key": task_key, "status": res["status"],
+                                       "purged": True})
+            else:
+                summary = subject(summary, kid)
         rows.append({"tenant": tenant, "task_key": task_key, "ns_path": owner,
                      "status": res["status"], "retain_until_us": res["retain_until_us"],
                      "purged": bool(res["purged"] or forgotten_owner),
-                     "summary": res["summary"]})
+                     "summary": summary})
+    if vault is not None:
+        vault.ensure(r["summary"].kid for r in rows if isinstance(r["summary"], Subject))
     for chunk in chunks(erase, 500):
         await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
                            .values(body=None))
@@ -73,7 +90,9 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
 def note_row(se: StoredEvent) -> dict[str, Any]:
     """The `task_notes` row of a task event."""
     return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
-            "type": se.type, "order_key": se.order_key, "body": _enc(note_body(se))}
+            "type": se.type, "order_key": se.order_key,
+            # The body carries its event's key id: the view seals it (ledger.vault).
+            "body": subject(_enc(note_body(se)), key_id(se.tenant, se.idempotency_key))}
 
 
 def _enc(obj: Any) -> bytes | None:

@@ -51,8 +51,9 @@ from ledger.forgets import tombstone_from_row
 from ledger.records import now_iso
 from ledger.register import DAMAGED_POLICIES
 from ledger.store import Store
+from ledger.vault import SEALED_TYPES, is_sealed, sealed_key_id, subject_of
 from projections.registry import default_projections
-from replay.errors import DatabaseNotEmpty, RegisterDamaged, RegisterMissing
+from replay.errors import DatabaseNotEmpty, KeyStoreMissing, RegisterDamaged, RegisterMissing
 from replay.progress import Progress, ProgressCallback
 from replay.rebuild import FORGET_TYPES, rebuild, register_events
 from replay.rows import binary_columns, by_tenant, covering, row_dict, stream_rows
@@ -174,7 +175,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *, force: bool = Fa
     await store.open()
     partial, raw = _temp_file(target)
     writer = _HashingWriter(raw, target, compress=target.name.endswith(".gz"))
-    erased = 0
+    erased = sealed = 0
     try:
         async with store.read() as conn:
             await store.recorder.keep_transaction_open(conn)
@@ -198,13 +199,17 @@ async def backup(store: Store, path: str | os.PathLike[str], *, force: bool = Fa
                 columns = [c.name for c in tb.columns]
                 binary = set(binary_columns(tb))
                 writer.line(orjson.dumps({"table": tb.name}))
-                async for part in stream_rows(conn, tb, store.recorder, batch=2000):
+                # Raw: a sealed payload is written sealed, never opened (ledger.vault).
+                async for part in stream_rows(conn, tb, store.recorder, batch=2000,
+                                              raw=True):
                     for r in part:
                         row = row_dict(r)
                         if tb is t.events and row["payload"] is not None and \
                                 covering(tombs, row) is not None:
                             row["payload"], row["redacted"] = None, True
                             erased += 1
+                        elif tb is t.events and is_sealed(row["payload"]):
+                            sealed += 1
                         writer.line(_encode(row, columns, binary))
                     bar.advance(len(part))
             bar.finish()
@@ -220,7 +225,7 @@ async def backup(store: Store, path: str | os.PathLike[str], *, force: bool = Fa
         raise
     return {"path": str(target), "position": position, "counts": counts,
             "bytes": size, "sha256": sha, "format": FORMAT,
-            "version": VERSION, "erased_in_backup": erased}
+            "version": VERSION, "erased_in_backup": erased, "sealed_payloads": sealed}
 
 
 def _publish(partial: Path, target: Path, *, force: bool) -> int:
@@ -407,7 +412,10 @@ class BackupReader:
             raise self._fail(n, "damaged event envelope") from e
         if not holds:
             raise self._fail(n, f"hash chain broken at position {expected}")
-        if row["payload"] is not None and digest(row["payload"]) != row["content_digest"]:
+        # A sealed payload's digest is of its plaintext: its AES-GCM tag guards it here,
+        # and `replay verify` checks the digest once the restore can open it.
+        if row["payload"] is not None and not is_sealed(row["payload"]) and \
+                digest(row["payload"]) != row["content_digest"]:
             raise self._fail(n, f"payload of position {expected} does not match its digest")
         return expected + 1
 
@@ -436,10 +444,13 @@ async def _clear(store: Store, conn: AsyncConnection) -> None:
                                      t.meta.c.name.not_in(["schema_version", "shards"]))
 
 
-def _backup_forgets(reader: BackupReader) -> tuple[str | None, set[tuple[str, str]]]:
-    """Check the whole file; return its ledger id and the forgets the register must hold."""
+def _backup_forgets(reader: BackupReader
+                    ) -> tuple[str | None, set[tuple[str, str]], set[str]]:
+    """Check the whole file; return its ledger id, the forgets the register must hold
+    and the key ids its sealed payloads name."""
     ledger: str | None = None
     forgets: set[tuple[str, str]] = set()
+    sealed: set[str] = set()
     for table, batch in reader.rows():
         if table is t.events:
             for r in batch:
@@ -447,32 +458,101 @@ def _backup_forgets(reader: BackupReader) -> tuple[str | None, set[tuple[str, st
                     ledger = r["chain"]
                 if r["type"] in FORGET_TYPES and not r["suppressed"]:
                     forgets.add((r["tenant"], r["idempotency_key"]))
-    return ledger, forgets
+                if is_sealed(r["payload"]):
+                    sealed.add(sealed_key_id(r["payload"]))
+    return ledger, forgets, sealed
+
+
+class _Keys:
+    """What the restore does with content payloads and the vault: a sealed payload
+    whose key was destroyed restores redacted; one whose key is absent stays sealed
+    (unreadable); with the vault on, a plaintext one is sealed as it is loaded, or
+    restored redacted if its key was destroyed (a forget after the backup)."""
+
+    def __init__(self, store: Store, sealed: set[str], *, envelopes_only: bool) -> None:
+        self.vault = store.vault
+        self.counts = {"sealed": len(sealed), "redacted_key_destroyed": 0,
+                       "unreadable_no_key": 0, "sealed_now": 0}
+        self.envelopes_only = False
+        present = self.vault is not None and self.vault.keys.exists()
+        if sealed and not present:
+            if not envelopes_only:
+                raise KeyStoreMissing(
+                    self.vault.keys.where() if self.vault is not None else
+                    "vault off: MEMLEDGER_VAULT is not set", len(sealed))
+            self.envelopes_only = True
+        self.fenced: set[str] = set()
+        if self.vault is not None and present:
+            self.fenced = self.vault.fenced(sealed)
+
+    def batch(self, rows: list[dict[str, Any]]) -> None:
+        """Adjust one batch of event rows before it is imported."""
+        v = self.vault
+        plain: list[dict[str, Any]] = []
+        for r in rows:
+            p = r["payload"]
+            if p is None:
+                continue
+            if is_sealed(p):
+                kid = sealed_key_id(p)
+                if kid in self.fenced:
+                    r["payload"], r["redacted"] = None, True
+                    self.counts["redacted_key_destroyed"] += 1
+                elif self.envelopes_only or v is None or not v.readable(p):
+                    self.counts["unreadable_no_key"] += 1
+            elif v is not None and r["type"] in SEALED_TYPES:
+                plain.append(r)
+        if plain and v is not None:
+            kids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
+                    for r in plain]
+            gone = v.fenced(kids)
+            for r, k in zip(plain, kids, strict=True):
+                if k in gone:
+                    r["payload"], r["redacted"] = None, True
+                    self.counts["redacted_key_destroyed"] += 1
+            todo = [r for r in plain if r["payload"] is not None]
+            v.seal_rows(todo)
+            self.counts["sealed_now"] += len(todo)
+
+    def report(self) -> dict[str, Any]:
+        """The `vault` member of the restore's result."""
+        return {"on": self.vault is not None, "envelopes_only": self.envelopes_only,
+                **self.counts}
 
 
 async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = False,
                   without_register: bool = False, progress: ProgressCallback | None = None,
-                  register_damaged: str = "refuse") -> dict[str, Any]:
+                  register_damaged: str = "refuse", envelopes_only: bool = False
+                  ) -> dict[str, Any]:
     """Check a backup, load it, reapply the forget register and rebuild the views.
 
     A register that is damaged, torn, empty, of another ledger or lacking a forget the
     backup holds is refused (`register_damaged="refuse"`, nothing changes), unless
     `register_damaged="repair"`: its intact entries are kept (the old file set aside as
     `<name>.damaged`) and the restore goes on (docs/forgetting.md).
+
+    Encrypted content (`ledger.vault`) needs the key store: without it the restore is
+    refused (`KeyStoreMissing`, nothing changes) unless `envelopes_only`, which loads
+    everything with the content left sealed and unreadable. Content whose key a forget
+    destroyed restores redacted; the result's `vault` counts each case.
     """
     if register_damaged not in DAMAGED_POLICIES:
         raise BackupError(f"register_damaged must be one of {', '.join(DAMAGED_POLICIES)}")
     reader = BackupReader(path)
-    ledger, forgets = _backup_forgets(reader)
+    ledger, forgets, sealed = _backup_forgets(reader)
     header = reader.header
     await store.open()
     if not store.register.exists() and not without_register:
         raise RegisterMissing(store.register.path)
     repaired = None
+    problems: list[str] = []
     if store.register.exists():
         problems = store.register.scan().problems(ledger=ledger, expected=forgets)
         if problems and register_damaged == "refuse":
             raise RegisterDamaged(problems[0])
+    # No key store for sealed content: refused here, before anything is changed.
+    keys = _Keys(store, sealed, envelopes_only=envelopes_only)
+    if store.register.exists():
         if problems:
             repaired = store.register.repair(ledger)
         if ledger is None:
@@ -488,6 +568,8 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
         # The reader re-checks the checksum at the end: a file changed since the
         # check raises here, inside the transaction, which then rolls back.
         for table, batch in reader.rows():
+            if table is t.events:
+                keys.batch(batch)
             await store.recorder.import_rows(conn, table, batch)
             bar.advance(len(batch))
         # Projections count as caught up until the register is reapplied: a worker
@@ -504,7 +586,7 @@ async def restore(store: Store, path: str | os.PathLike[str], *, force: bool = F
                          "created_at": header["created_at"],
                          "counts": {x["name"]: x["count"] for x in header["tables"]}},
             "reapplied": rebuilt["reapplied"], "head": rebuilt["head"],
-            "projections": rebuilt["projections"],
+            "projections": rebuilt["projections"], "vault": keys.report(),
             **({"register_repaired": repaired} if repaired is not None else {})}
 
 

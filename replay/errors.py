@@ -51,3 +51,17 @@ class RegisterDamaged(RestoreRefused):
             f"{problem}; nothing was changed",
             ". Find an intact copy of the register, or pass register_damaged='repair' to "
             "restore with its intact entries kept (see docs/forgetting.md)")
+
+
+class KeyStoreMissing(RestoreRefused):
+    """The backup holds sealed content and the vault's key store is not here."""
+
+    def __init__(self, where: str, sealed: int) -> None:
+        self.where = where
+        self.sealed = sealed
+        super().__init__(
+            f"the backup holds {sealed} encrypted payload(s) and the key store ({where}) "
+            "is not here: without it their content cannot be restored",
+            ". Point the vault at its key store (MEMLEDGER_VAULT_PATH or "
+            "MEMLEDGER_VAULT_URL), or pass envelopes_only=True to restore the envelopes "
+            "with the content left sealed and unreadable")

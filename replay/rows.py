@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from sqlalchemy import LargeBinary, Table, select
+from sqlalchemy import LargeBinary, Table, select, type_coerce
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.types import TypeDecorator
 
 from ledger.events import MEMORY_WRITES
 from ledger.forgets import Coordinates, Tombstone, covers
@@ -30,10 +31,13 @@ def order_columns(table: Table, recorder: Recorder) -> list[Any]:
 
 
 async def stream_rows(conn: AsyncConnection, table: Table, recorder: Recorder, *,
-                      where: Any = None, batch: int = 1000
+                      where: Any = None, batch: int = 1000, raw: bool = False
                       ) -> AsyncIterator[Sequence[Any]]:
-    """Yield lists of rows of `table` in primary-key order, `batch` rows at a time."""
-    q = select(table)
+    """Yield lists of rows of `table` in primary-key order, `batch` rows at a time.
+
+    `raw`: columns of a decorated type come as stored (a backup keeps sealed payloads
+    sealed, `ledger.vault`), not opened."""
+    q = select(*raw_columns(table)) if raw else select(table)
     if where is not None:
         q = q.where(where)
     result = await conn.stream(q.order_by(*order_columns(table, recorder)))
@@ -53,9 +57,16 @@ def row_dict(row: Any) -> dict[str, Any]:
     return {str(k): plain(v) for k, v in row._mapping.items()}
 
 
+def raw_columns(table: Table) -> list[Any]:
+    """The table's columns, those of a decorated type read as their stored type."""
+    return [type_coerce(c, c.type.impl_instance).label(c.name)
+            if isinstance(c.type, TypeDecorator) else c for c in table.columns]
+
+
 def binary_columns(table: Table) -> list[str]:
     """Names of the table's binary columns (encoded as base64 in backups)."""
-    return [c.name for c in table.columns if isinstance(c.type, LargeBinary)]
+    return [c.name for c in table.columns if isinstance(
+        c.type.impl_instance if isinstance(c.type, TypeDecorator) else c.type, LargeBinary)]
 
 
 def by_tenant(tombs: Iterable[Tombstone]) -> dict[str, list[Tombstone]]:

@@ -157,6 +157,11 @@ class PostgresRecorder(Recorder):
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             await conn.exec_driver_sql(f"VACUUM {', '.join(CONTENT_TABLES)}")
 
+    async def compact(self) -> None:
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await conn.exec_driver_sql(f"VACUUM FULL {', '.join(CONTENT_TABLES)}")
+
     async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
         q = text("SELECT relname, n_dead_tup FROM pg_stat_user_tables "
                  "WHERE relname = ANY(:names)")

@@ -138,6 +138,8 @@ class SQLiteRecorder(Recorder):
                             ) -> None:
         # SQLAlchemy's per-row parameter processing cost ~10 us a row here; the driver
         # takes plain tuples in column order (no type needs converting).
+        if self.vault is not None:
+            self.vault.seal_rows(rows)  # content encrypted, as in `Recorder.insert_events`
         await conn.exec_driver_sql(_INSERT_EVENTS, [
             tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
@@ -169,6 +171,12 @@ class SQLiteRecorder(Recorder):
         """Move the WAL into the main file and truncate it (with secure_delete on, the
         erased bytes are then gone from the files)."""
         async with self._read_once() as conn:
+            await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def compact(self) -> None:
+        async with self.engine.connect() as c0:
+            conn = await c0.execution_options(memledger_no_begin=True)
+            await conn.exec_driver_sql("VACUUM")
             await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     async def erasure_leftovers(self) -> list[dict[str, Any]]:

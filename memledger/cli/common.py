@@ -19,7 +19,13 @@ import orjson
 from ledger.errors import BackupTargetExists, MemledgerError, RegisterError, ValidationError
 from ledger.store import Store
 from memledger import MemoryLedger
-from replay.errors import DatabaseNotEmpty, RegisterDamaged, RegisterMissing, RestoreRefused
+from replay.errors import (
+    DatabaseNotEmpty,
+    KeyStoreMissing,
+    RegisterDamaged,
+    RegisterMissing,
+    RestoreRefused,
+)
 from replay.progress import ProgressUpdate
 
 #: A subcommand: takes the parsed arguments, returns the exit code.
@@ -142,6 +148,9 @@ _REMEDIES: Mapping[type[RestoreRefused], str] = {
     RegisterDamaged: ". Find an intact copy of the register, or pass --register-damaged "
                      "repair to restore with its intact entries kept (see "
                      "docs/forgetting.md)",
+    KeyStoreMissing: ". Point MEMLEDGER_VAULT_PATH (or MEMLEDGER_VAULT_URL) at the key "
+                     "store, or pass --envelopes-only to restore the envelopes with the "
+                     "content left sealed and unreadable",
 }
 
 

@@ -1,5 +1,5 @@
 """The operator commands: status, project, sweep, replay rebuild|retry-quarantined|audit|verify,
-shards show|set, backup, restore.
+shards show|set, backup, restore, vault status|encrypt.
 
 Whoever runs them holds the database credentials, so they take no `--as` (some take
 `--tenant` to narrow). Each opens the store, calls one function of `projections` or
@@ -10,6 +10,7 @@ to stderr (docs/operations.md).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ledger.errors import ValidationError
 from ledger.register import DAMAGED_POLICIES
@@ -173,6 +174,7 @@ async def cmd_restore(args: argparse.Namespace) -> int:
         res = await restore(store, args.path, force=args.force,
                             without_register=args.without_register,
                             register_damaged=args.register_damaged,
+                            envelopes_only=args.envelopes_only,
                             progress=progress_of(args))
         out(res)
     finally:
@@ -181,6 +183,48 @@ async def cmd_restore(args: argparse.Namespace) -> int:
     say(f"restored position {res['restored']['position']}; forget register: "
         f"{re['entries']} entries, {len(re['appended'])} appended, "
         f"{re['payloads_erased']} payloads erased; views rebuilt to {res['head']}")
+    v = res["vault"]
+    if v["envelopes_only"]:
+        say(f"envelopes only: the key store is not here, {v['unreadable_no_key']} "
+            "encrypted payloads were restored sealed and cannot be read")
+    elif v["redacted_key_destroyed"]:
+        say(f"{v['redacted_key_destroyed']} payloads restored redacted: their keys were "
+            "destroyed by a forget")
+    return 0
+
+
+async def cmd_vault_status(args: argparse.Namespace) -> int:
+    """Say whether content is sealed, where the key store is, and what is still in clear."""
+    from replay.encrypt import count_in_clear
+
+    store = open_store(args)
+    try:
+        await store.open()
+        v = store.vault
+        report: dict[str, Any] = {"vault": v is not None,
+                                  "in_clear": await count_in_clear(store)}
+        if v is not None:
+            report.update({"key_store": v.keys.kind, "where": v.keys.where(),
+                           "exists": v.keys.exists(), "wrapping": v.keys.wrapper.name})
+    finally:
+        await store.close()
+    out(report)
+    return 0
+
+
+async def cmd_vault_encrypt(args: argparse.Namespace) -> int:
+    """Seal every content payload still in clear, rebuild the views, compact the files."""
+    from replay.encrypt import encrypt_ledger
+
+    store = open_store(args)
+    try:
+        res = await encrypt_ledger(store, batch=args.batch_size, compact=not args.no_compact,
+                                   progress=progress_of(args))
+    finally:
+        await store.close()
+    out(res)
+    say(f"{res['sealed']:,} payloads sealed, {res['erased']:,} erased (key destroyed); "
+        f"{res['in_clear_left']:,} left in clear")
     return 0
 
 
@@ -313,4 +357,19 @@ def add_commands(aud: Audience) -> None:
                     help="what to do with a damaged, torn, empty or foreign forget register: "
                          "refuse (default, nothing changes) or repair (keep its intact "
                          "entries, set the old file aside as .damaged)")
+    rs.add_argument("--envelopes-only", action="store_true",
+                    help="go on although the vault's key store is not here: encrypted "
+                         "content is restored sealed and cannot be read (docs/forgetting.md)")
     rs.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    va = aud.command("vault", "per-subject encryption of content (docs/forgetting.md)")
+    vact = va.add_subparsers(dest="action", required=True, metavar="ACTION")
+    handles(vact.add_parser("status", help="is content sealed, where is the key store, "
+                                           "what is still in clear"), cmd_vault_status)
+    ve = handles(vact.add_parser(
+        "encrypt", help="seal every content payload still in clear (resumable), rebuild "
+                        "the views, compact the database files"), cmd_vault_encrypt)
+    ve.add_argument("--batch-size", type=int, default=2000, help="events per transaction")
+    ve.add_argument("--no-compact", action="store_true",
+                    help="skip VACUUM (SQLite) / VACUUM FULL (PostgreSQL) at the end")
+    ve.add_argument("--quiet", action="store_true", help="no progress on stderr")

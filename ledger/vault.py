@@ -1,0 +1,785 @@
+"""The vault: per-subject envelope encryption of event content, and the key store.
+
+Crypto-shredding (docs/forgetting.md, "Backups at rest"): the content of every event a
+forget can erase (memory writes and corrections, task opens, notes and closes) is stored
+encrypted with AES-256-GCM under a data key of its own subject. The keys live in a key
+store apart from the ledger database and from every backup; a forget destroys the keys
+of what it covers, so every copy of the ciphertext (a backup file, a copy of the
+database file) becomes unreadable at once.
+
+**Granularity: one key per content event**, key id = a hash of (tenant, idempotency
+key). A forget covers events one by one, by their source order (`ledger.forgets`): a
+forget by key covers that key's writes with order <= F but not a later write in the
+same slot, and a prefix forget covers a task's notes up to F but not a later note. A
+key per slot or per task would either destroy content the forget does not cover or
+force re-encrypting it; a key per event maps every forget (by memory id, by key, by
+prefix, a task purge) to exactly the keys of the events it covers, found by the same
+rule in SQL over the envelope columns, and nothing is ever re-encrypted. The id is
+derived from the envelope, so finding a covered event's key needs no lookup table, and
+(tenant, idempotency key) is unique in the ledger, so an id is never used twice; a
+fenced id is refused by `provision` all the same.
+
+**What stays in clear:** the envelope, positions, the hash chain and the content digest
+(the SHA-256 of the canonical plaintext event), so `replay verify` proves the chain
+without keys. The digest is not keyed: see docs/forgetting.md for what a digest of a
+short value lets someone who holds the envelope confirm.
+
+Sealed payload format: `MAGIC` (5 bytes, never the `{` a JSON payload starts with),
+the key id (16 bytes), a 12-byte random nonce, then the AES-GCM ciphertext and tag;
+the magic and key id are the associated data.
+
+The key store (`KeyStore`) is a file beside the SQLite database (`FileKeyStore`) or a
+table in a schema of its own on PostgreSQL (`PostgresKeyStore`); data keys are wrapped
+by a `KeyWrapper` (none, a master key from an environment variable or a file, or any
+KMS client that implements the protocol). Destroying a key writes a durable fence entry
+first, then removes the key; a fenced id is never provisioned again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Final, Protocol, TypeVar
+
+import orjson
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from sqlalchemy import LargeBinary, Text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+
+from ledger.errors import MemledgerError
+
+#: First bytes of a sealed payload (a plaintext payload is JSON and starts with `{`).
+MAGIC: Final = b"\x00mlv1"
+KEY_ID_BYTES: Final = 16
+NONCE_BYTES: Final = 12
+HEADER: Final = len(MAGIC) + KEY_ID_BYTES
+#: Event types whose payload is content a forget erases (sealed); the others (forgets,
+#: purges, marks) keep their payload in clear, as erasure keeps it.
+SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
+                                 "task.noted", "task.closed"})
+MEMORY_WRITE_TYPES: Final = frozenset({"memory.written", "memory.corrected"})
+#: The settings that switch the vault on and say where its key store is.
+ENV_ENABLE: Final = "MEMLEDGER_VAULT"
+ENV_PATH: Final = "MEMLEDGER_VAULT_PATH"
+ENV_URL: Final = "MEMLEDGER_VAULT_URL"
+ENV_MASTER: Final = "MEMLEDGER_VAULT_MASTER_KEY"
+ENV_MASTER_FILE: Final = "MEMLEDGER_VAULT_MASTER_KEY_FILE"
+#: The PostgreSQL schema of the key store (never in a `memledger backup`; exclude it
+#: from `pg_dump` with `--exclude-schema`, or give the key store a database of its own).
+PG_SCHEMA: Final = "memledger_vault"
+
+T = TypeVar("T")
+
+
+class VaultError(MemledgerError):
+    """The key store cannot be used as asked (missing, damaged, a fenced id)."""
+
+
+class KeyFenced(VaultError):
+    """A data key was asked for again after it was destroyed."""
+
+
+# -- key ids and the cipher -----------------------------------------------------------------
+
+def key_id(tenant: str, idempotency_key: str) -> str:
+    """The data key id of an event's content (hex): a hash of its tenant and key."""
+    h = hashlib.sha256(b"memledger-vault-key\x00" + tenant.encode() + b"\x00"
+                       + idempotency_key.encode())
+    return h.hexdigest()[:2 * KEY_ID_BYTES]
+
+
+def memory_key_id(tenant: str, memory_id: str) -> str:
+    """The data key id of a memory write's content: by its memory id, which one write
+    holds (explicit ids are unique in a tenant) and which the view rows carry, so a
+    view row read and written again finds its key without the event."""
+    return key_id(tenant, "\x00memory\x00" + memory_id)
+
+
+def summary_key_id(tenant: str, task_key: str) -> str:
+    """The data key id of a task's summary in the tasks view: one per task, destroyed
+    by the first purge or prefix forget that reaches the task (which is never served
+    again after that, so its summary keeps no content from then on)."""
+    return key_id(tenant, "\x00summary\x00" + task_key)
+
+
+def subject_of(tenant: str, typ: str, memory_id: str | None, idempotency_key: str) -> str:
+    """The data key id of an event's content: by memory id for a memory write, by
+    idempotency key for a task event."""
+    if typ in MEMORY_WRITE_TYPES and memory_id:
+        return memory_key_id(tenant, memory_id)
+    return key_id(tenant, idempotency_key)
+
+
+def is_sealed(blob: bytes | None) -> bool:
+    """Is `blob` a sealed payload (rather than plaintext JSON, or nothing)?"""
+    return blob is not None and bytes(blob[:len(MAGIC)]) == MAGIC
+
+
+def sealed_key_id(blob: bytes) -> str:
+    """The key id a sealed payload names."""
+    return bytes(blob[len(MAGIC):HEADER]).hex()
+
+
+def seal(kid: str, key: bytes | AESGCM, plaintext: bytes) -> bytes:
+    """Encrypt `plaintext` under the data key `key` (id `kid`; the key, or its cipher)."""
+    head = MAGIC + bytes.fromhex(kid)
+    nonce = os.urandom(NONCE_BYTES)
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
+    return head + nonce + aead.encrypt(nonce, plaintext, head)
+
+
+def unseal(key: bytes | AESGCM, blob: bytes) -> bytes:
+    """Decrypt a sealed payload; `VaultError` if it was altered or the key is wrong."""
+    blob = bytes(blob)
+    head, nonce = blob[:HEADER], blob[HEADER:HEADER + NONCE_BYTES]
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
+    try:
+        return aead.decrypt(nonce, blob[HEADER + NONCE_BYTES:], head)
+    except InvalidTag:
+        raise VaultError(f"sealed payload under key {sealed_key_id(blob)} fails its "
+                         "authentication tag (altered, or the wrong key store)") from None
+
+
+# -- wrapping data keys ---------------------------------------------------------------------
+
+class KeyWrapper(Protocol):
+    """Wraps data keys before the key store keeps them (a KMS client implements this)."""
+
+    name: str
+
+    def wrap(self, kid: str, key: bytes) -> bytes:
+        """The stored form of data key `key` (id `kid`)."""
+        ...
+
+    def unwrap(self, kid: str, wrapped: bytes) -> bytes:
+        """The data key back from its stored form."""
+        ...
+
+
+class NoWrap:
+    """Data keys stored as they are: the key store file's permissions (0600) protect them."""
+
+    name = "none"
+
+    def wrap(self, kid: str, key: bytes) -> bytes:
+        return key
+
+    def unwrap(self, kid: str, wrapped: bytes) -> bytes:
+        return wrapped
+
+
+class MasterKeyWrap:
+    """Data keys wrapped with AES-256-GCM under a master key kept elsewhere (an
+    environment variable or a file): a copy of the key store alone opens nothing."""
+
+    name = "master-key"
+
+    def __init__(self, master: bytes) -> None:
+        if len(master) != 32:
+            raise VaultError("the vault master key must be 32 bytes (base64 of 32 random "
+                             "bytes, e.g. `openssl rand -base64 32`)")
+        self._aead = AESGCM(master)
+
+    def wrap(self, kid: str, key: bytes) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, key, kid.encode())
+
+    def unwrap(self, kid: str, wrapped: bytes) -> bytes:
+        try:
+            return self._aead.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:],
+                                      kid.encode())
+        except InvalidTag:
+            raise VaultError("a data key does not unwrap with this master key: the key "
+                             "store was written under another master key") from None
+
+
+def wrapper_from_env() -> KeyWrapper:
+    """The wrapper the environment names: `MEMLEDGER_VAULT_MASTER_KEY` (base64) or
+    `MEMLEDGER_VAULT_MASTER_KEY_FILE` (a file holding it), else none."""
+    raw = os.environ.get(ENV_MASTER)
+    source = ENV_MASTER
+    if not raw and os.environ.get(ENV_MASTER_FILE):
+        source = os.environ[ENV_MASTER_FILE]
+        try:
+            raw = Path(source).read_text().strip()
+        except OSError as e:
+            raise VaultError(f"cannot read the vault master key file: {e.strerror}") from e
+    if not raw:
+        return NoWrap()
+    try:
+        master = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise VaultError(f"the vault master key ({source}) is not base64") from None
+    return MasterKeyWrap(master)
+
+
+# -- key stores -----------------------------------------------------------------------------
+
+class KeyStore(ABC):
+    """Where data keys live, apart from the ledger database and every backup."""
+
+    #: What the store is, for reports: `file` or `postgresql`.
+    kind: ClassVar[str]
+
+    def __init__(self, wrapper: KeyWrapper | None = None) -> None:
+        self.wrapper: KeyWrapper = wrapper or NoWrap()
+
+    @abstractmethod
+    def where(self) -> str:
+        """The store's location, for messages (a path or a schema; never a password)."""
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Does the store exist yet (a restore refuses to run without it)?"""
+
+    @abstractmethod
+    def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
+        """Unwrapped data keys present in the store (all, or those of `ids`)."""
+
+    @abstractmethod
+    def fenced(self, ids: Iterable[str]) -> set[str]:
+        """Which of `ids` are fenced (destroyed; never provisioned again)."""
+
+    @abstractmethod
+    def _add(self, keys: dict[str, bytes]) -> None:
+        """Store new wrapped keys durably."""
+
+    @abstractmethod
+    def _fence(self, ids: Sequence[str]) -> None:
+        """Durably record `ids` as destroyed (before their keys are removed)."""
+
+    @abstractmethod
+    def _remove(self, ids: Sequence[str]) -> None:
+        """Remove the keys of fenced `ids` from the store's files."""
+
+    def provision(self, ids: Iterable[str]) -> dict[str, bytes]:
+        """Create the keys of `ids` that do not exist (durable before it returns);
+        returns every key of `ids`. A fenced id raises `KeyFenced`."""
+        want = sorted(set(ids))
+        have = self.load(want)
+        missing = [k for k in want if k not in have]
+        if not missing:
+            return have
+        fenced = self.fenced(missing)
+        if fenced:
+            raise KeyFenced(f"{len(fenced)} data key(s) were destroyed by a forget and are "
+                            "never provisioned again")
+        new = {k: AESGCM.generate_key(bit_length=256) for k in missing}
+        self._add({k: self.wrapper.wrap(k, v) for k, v in new.items()})
+        return {**have, **new}
+
+    def destroy(self, ids: Iterable[str]) -> int:
+        """Fence `ids` durably, then remove their keys; returns how many were fenced now."""
+        want = sorted(set(ids))
+        new = sorted(set(want) - self.fenced(want))
+        if new:
+            self._fence(new)
+        self._remove(want)
+        return len(new)
+
+    def close(self) -> None:  # noqa: B027 - most stores hold nothing open
+        """Release what the store holds open."""
+
+
+class FileKeyStore(KeyStore):
+    """A JSON Lines file beside the SQLite database (`<db>.vault`), mode 0600.
+
+    Lines: `{"k": id, "w": base64}` (a key) and `{"f": id}` (a fence). Every append is
+    fsynced before it returns. A destroyed key's line is overwritten in place with a
+    line of the same length that holds no key (`{"d": id}` padded), and fsynced; the
+    fence line was fsynced before. A crash between the two leaves a fenced key, which
+    counts as destroyed and is overwritten at the next open.
+    """
+
+    kind: ClassVar[str] = "file"
+
+    def __init__(self, path: str | os.PathLike[str], wrapper: KeyWrapper | None = None
+                 ) -> None:
+        super().__init__(wrapper)
+        self.path = Path(path)
+        self._keys: dict[str, tuple[int, bytes]] = {}  # id -> (line offset, wrapped)
+        self._fences: set[str] = set()
+        self._read_to = 0
+        self._lock = threading.Lock()
+        self._opened = False
+
+    def where(self) -> str:
+        return str(self.path)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def _refresh(self) -> None:
+        """Read what other processes appended since the last read."""
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self._read_to)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a torn last line is read once it is whole
+        off = self._read_to
+        for line in data[:end].split(b"\n")[:-1]:
+            here, off = off, off + len(line) + 1
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                raise VaultError(f"key store {self.path} is damaged at byte {here}") from None
+            if "k" in obj:
+                self._keys[obj["k"]] = (here, base64.b64decode(obj["w"]))
+            elif "f" in obj:
+                self._fences.add(obj["f"])
+        self._read_to += end
+        if not self._opened:
+            self._opened = True
+            leftover = [k for k in self._fences if k in self._keys]
+            if leftover:  # fenced before a crash, not yet overwritten
+                self._remove(leftover)
+
+    def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
+        with self._lock:
+            wanted = None if ids is None else list(ids)
+            if wanted is None or any(k not in self._keys for k in wanted):
+                self._refresh()
+            pick = self._keys if wanted is None else {
+                k: self._keys[k] for k in wanted if k in self._keys}
+            return {k: self.wrapper.unwrap(k, w) for k, (_, w) in pick.items()
+                    if k not in self._fences}
+
+    def fenced(self, ids: Iterable[str]) -> set[str]:
+        with self._lock:
+            self._refresh()
+            return {k for k in ids if k in self._fences}
+
+    def _append(self, lines: list[bytes]) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            start = os.fstat(fd).st_size
+            os.write(fd, b"".join(lines))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return start
+
+    def _add(self, keys: dict[str, bytes]) -> None:
+        with self._lock:
+            self._refresh()
+            lines = [orjson.dumps({"k": k, "w": base64.b64encode(w).decode()}) + b"\n"
+                     for k, w in keys.items()]
+            self._append(lines)
+            self._refresh()
+
+    def _fence(self, ids: Sequence[str]) -> None:
+        with self._lock:
+            self._append([orjson.dumps({"f": k}) + b"\n" for k in ids])
+            self._refresh()
+
+    def _remove(self, ids: Sequence[str]) -> None:
+        hits = [(k, self._keys[k][0]) for k in ids if k in self._keys]
+        if not hits:
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for k, off in hits:
+                length = len(orjson.dumps({"k": k, "w": base64.b64encode(
+                    self._keys[k][1]).decode()}))
+                blank = orjson.dumps({"d": k})
+                os.pwrite(fd, blank[:-1] + b" " * (length - len(blank)) + b"}", off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for k, _ in hits:
+            del self._keys[k]
+
+
+class PostgresKeyStore(KeyStore):
+    """Tables `data_keys` and `key_fence` in a schema of their own (`memledger_vault`),
+    on the ledger's server or another one (`MEMLEDGER_VAULT_URL`).
+
+    The interface is synchronous (it is called where rows are encoded and decoded);
+    its queries run on a private event loop in a daemon thread with one asyncpg
+    connection. A destroy commits the fence rows and the deletion in one transaction,
+    then VACUUMs `data_keys` so the deleted row versions leave the table's pages.
+    """
+
+    kind: ClassVar[str] = "postgresql"
+
+    def __init__(self, url: str, wrapper: KeyWrapper | None = None, *,
+                 schema: str = PG_SCHEMA) -> None:
+        super().__init__(wrapper)
+        self.dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+        self.schema = schema
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: Any = None
+        self._cache: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def where(self) -> str:
+        host = self.dsn.rsplit("@", 1)[-1]
+        return f"schema {self.schema} at {host}"
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, daemon=True,
+                                 name="memledger-vault").start()
+                self._loop = loop
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _connection(self) -> Any:
+        import asyncpg
+
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await asyncpg.connect(self.dsn)
+            s = self.schema
+            await self._conn.execute(
+                f'CREATE SCHEMA IF NOT EXISTS "{s}"; '
+                f'CREATE TABLE IF NOT EXISTS "{s}".data_keys '
+                "(key_id text PRIMARY KEY, wrapped bytea NOT NULL); "
+                f'CREATE TABLE IF NOT EXISTS "{s}".key_fence '
+                "(key_id text PRIMARY KEY, fenced_at timestamptz NOT NULL DEFAULT now())")
+        return self._conn
+
+    def exists(self) -> bool:
+        async def q() -> bool:
+            import asyncpg
+
+            conn = await asyncpg.connect(self.dsn)
+            try:
+                return bool(await conn.fetchval(
+                    "SELECT to_regclass($1) IS NOT NULL", f'"{self.schema}".data_keys'))
+            finally:
+                await conn.close()
+        return self._run(q())
+
+    def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
+        wanted = None if ids is None else list(ids)
+        if wanted is not None and all(k in self._cache for k in wanted):
+            return {k: self._cache[k] for k in wanted}
+
+        async def q() -> list[Any]:
+            c = await self._connection()
+            if wanted is None:
+                return list(await c.fetch(f'SELECT key_id, wrapped FROM "{self.schema}".data_keys'))
+            return list(await c.fetch(
+                f'SELECT key_id, wrapped FROM "{self.schema}".data_keys '
+                "WHERE key_id = ANY($1::text[])", wanted))
+        for r in self._run(q()):
+            self._cache[r[0]] = self.wrapper.unwrap(r[0], bytes(r[1]))
+        pick = self._cache if wanted is None else {k: self._cache[k] for k in wanted
+                                                   if k in self._cache}
+        return dict(pick)
+
+    def fenced(self, ids: Iterable[str]) -> set[str]:
+        wanted = list(ids)
+
+        async def q() -> list[Any]:
+            c = await self._connection()
+            return list(await c.fetch(f'SELECT key_id FROM "{self.schema}".key_fence '
+                                      "WHERE key_id = ANY($1::text[])", wanted))
+        return {r[0] for r in self._run(q())} if wanted else set()
+
+    def _add(self, keys: dict[str, bytes]) -> None:
+        async def q() -> None:
+            c = await self._connection()
+            async with c.transaction():
+                # The fence is checked again inside the transaction that inserts.
+                hit = await c.fetchval(f'SELECT count(*) FROM "{self.schema}".key_fence '
+                                       "WHERE key_id = ANY($1::text[])", list(keys))
+                if hit:
+                    raise KeyFenced(f"{hit} data key(s) were destroyed by a forget and "
+                                    "are never provisioned again")
+                await c.executemany(
+                    f'INSERT INTO "{self.schema}".data_keys (key_id, wrapped) '
+                    "VALUES ($1, $2) ON CONFLICT DO NOTHING", list(keys.items()))
+        self._run(q())
+
+    def _fence(self, ids: Sequence[str]) -> None:
+        async def q() -> None:
+            c = await self._connection()
+            await c.executemany(f'INSERT INTO "{self.schema}".key_fence (key_id) '
+                                "VALUES ($1) ON CONFLICT DO NOTHING", [(k,) for k in ids])
+        self._run(q())
+        for k in ids:
+            self._cache.pop(k, None)
+
+    def _remove(self, ids: Sequence[str]) -> None:
+        async def q() -> None:
+            c = await self._connection()
+            n = await c.execute(f'DELETE FROM "{self.schema}".data_keys '
+                                "WHERE key_id = ANY($1::text[])", list(ids))
+            if n != "DELETE 0":
+                await c.execute(f'VACUUM "{self.schema}".data_keys')
+        self._run(q())
+        for k in ids:
+            self._cache.pop(k, None)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            if self._conn is not None:
+                with contextlib.suppress(Exception):
+                    self._run(self._conn.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+            self._conn = None
+
+
+def default_key_store_path(db_url: str) -> str | None:
+    """`<sqlite path>.vault` for a SQLite file (or `MEMLEDGER_VAULT_PATH`), else None."""
+    env = os.environ.get(ENV_PATH)
+    if env:
+        return env
+    if not db_url.startswith("sqlite") or ":///" not in db_url:
+        return None
+    path = db_url.split(":///", 1)[1].split("?", 1)[0]
+    if not path or path.startswith(":memory:") or path.startswith("file:"):
+        return None
+    return path + ".vault"
+
+
+def key_store_for(db_url: str, *, path: str | None = None, url: str | None = None,
+                  wrapper: KeyWrapper | None = None) -> KeyStore:
+    """The key store of a ledger: a file for SQLite, a schema for PostgreSQL."""
+    wrapper = wrapper or wrapper_from_env()
+    url = url or os.environ.get(ENV_URL)
+    if url:
+        return PostgresKeyStore(url, wrapper)
+    path = path or default_key_store_path(db_url)
+    if path is not None:
+        return FileKeyStore(path, wrapper)
+    if db_url.startswith("sqlite"):
+        raise VaultError("an in-memory SQLite ledger has no place for its key store; set "
+                         f"{ENV_PATH}")
+    return PostgresKeyStore(db_url, wrapper)
+
+
+def enabled_by_env() -> bool | None:
+    """`MEMLEDGER_VAULT` as a setting: True (on), False (off) or None (not set)."""
+    v = os.environ.get(ENV_ENABLE, "").strip().lower()
+    if v in ("1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    return None
+
+
+# -- the vault: what the recorder calls -----------------------------------------------------
+
+class Vault:
+    """Seals event payloads on their way into `events` and opens them on the way out."""
+
+    def __init__(self, keys: KeyStore) -> None:
+        self.keys = keys
+        # Ciphers by key id: building one costs as much as a decryption (~10 us), and
+        # a view row is opened on every `get`. Dropped when the key is destroyed.
+        self._cache: dict[str, AESGCM] = {}
+
+    def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Encrypt, in place, the payload of every content row (one durable key
+        provisioning for the whole batch)."""
+        todo = [r for r in rows if r["type"] in SEALED_TYPES and r["payload"] is not None
+                and not is_sealed(r["payload"])]
+        if not todo:
+            return
+        ids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
+               for r in todo]
+        missing = [k for k in ids if k not in self._cache]
+        if missing:
+            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
+        for r, kid in zip(todo, ids, strict=True):
+            r["payload"] = seal(kid, self._cache[kid], r["payload"])
+
+    def ensure(self, ids: Iterable[str]) -> None:
+        """Provision the keys of `ids` that do not exist (one durable write for all);
+        a fenced id raises `KeyFenced`."""
+        missing = sorted({k for k in ids if k not in self._cache})
+        if missing:
+            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
+
+    def key(self, kid: str) -> AESGCM | None:
+        """The cipher of data key `kid`, or None if the key is destroyed or absent."""
+        k = self._cache.get(kid)
+        if k is None:
+            raw = self.keys.load([kid]).get(kid)
+            if raw is not None:
+                k = self._cache[kid] = AESGCM(raw)
+        return k
+
+    def open(self, blob: bytes | None) -> bytes | None:
+        """The plaintext of a stored payload: plaintext passes through; a sealed one
+        whose key is gone reads as None (erased)."""
+        if blob is None or not is_sealed(blob):
+            return blob
+        k = self.key(sealed_key_id(blob))
+        return None if k is None else unseal(k, blob)
+
+    def seal_view(self, kid: str, data: bytes) -> bytes | None:
+        """A view copy of subject `kid`'s content, sealed under the subject's key. No
+        key: the content came from a payload stored in clear (a ledger not yet
+        converted by `memledger vault encrypt`) and stays so; a fenced key: the
+        subject is forgotten, and nothing is stored."""
+        k = self.key(kid)
+        if k is not None:
+            return seal(kid, k, data)
+        return None if self.keys.fenced([kid]) else data
+
+    def readable(self, blob: bytes) -> bool:
+        """Does the key of a sealed payload exist here?"""
+        return self.key(sealed_key_id(blob)) is not None
+
+    def destroy(self, ids: Iterable[str]) -> int:
+        """Fence and remove keys (a forget); returns how many were fenced now."""
+        ids = list(ids)
+        for k in ids:
+            self._cache.pop(k, None)
+        return self.keys.destroy(ids) if ids else 0
+
+    def fenced(self, ids: Iterable[str]) -> set[str]:
+        """Which of `ids` are fenced."""
+        return self.keys.fenced(ids)
+
+    def close(self) -> None:
+        """Release the key store."""
+        self._cache.clear()
+        self.keys.close()
+
+
+#: The attribute of an engine's dialect that holds its vault (read by `SealedPayload`).
+DIALECT_ATTR: Final = "memledger_vault"
+
+
+def attach(dialect: Dialect, vault: Vault | None) -> None:
+    """Let `SealedPayload` columns read through this engine open sealed payloads."""
+    setattr(dialect, DIALECT_ATTR, vault)
+
+
+class Subject(bytes):
+    """Plaintext content bytes that know their subject's key id (`kid`), on their way
+    into a view column of type `SealedView`, which seals them under that key. (Only on
+    the way in: reads return plain `bytes`, which is what orjson parses.)"""
+
+    kid: str
+
+    def __new__(cls, data: bytes, kid: str) -> Subject:
+        obj = super().__new__(cls, data)
+        obj.kid = kid
+        return obj
+
+
+class SubjectText(str):
+    """A `Subject` for text columns (`SealedText`)."""
+
+    kid: str
+
+    def __new__(cls, text: str, kid: str) -> SubjectText:
+        obj = super().__new__(cls, text)
+        obj.kid = kid
+        return obj
+
+
+def subject(data: bytes | None, kid: str) -> bytes | None:
+    """`data` as the content of subject `kid` (None stays None; no `kid`: as it is)."""
+    return data if data is None or not kid else Subject(data, kid)
+
+
+def subject_text(text: str | None, kid: str) -> str | None:
+    """`text` as the content of subject `kid` (None stays None; no `kid`: as it is)."""
+    return text if text is None or not kid else SubjectText(text, kid)
+
+
+#: First characters of a sealed text value (base64 of the sealed bytes follows).
+TEXT_MAGIC: Final = "\x01mlv1:"
+
+
+def _vault_of(dialect: Dialect) -> Vault | None:
+    v: Vault | None = getattr(dialect, DIALECT_ATTR, None)
+    return v
+
+
+class SealedView(TypeDecorator[bytes]):
+    """A view column holding content (`mem_versions.value`, `task_notes.body`): a
+    `Subject` value is sealed under its subject's key on the way in, and opened on the
+    way out; once the key is destroyed it reads as None."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
+        kid = getattr(value, "kid", None)
+        vault = _vault_of(dialect)
+        if kid is None or vault is None:
+            return value  # type: ignore[no-any-return]
+        return vault.seal_view(kid, bytes(value))
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None or bytes(value[:1]) != MAGIC[:1]:
+            return value  # type: ignore[no-any-return]
+        vault = _vault_of(dialect)
+        blob = bytes(value)
+        return None if vault is None else vault.open(blob)
+
+
+class SealedText(TypeDecorator[str]):
+    """`SealedView` for a text column (`mem_versions.text`): sealed bytes are stored as
+    `TEXT_MAGIC` + base64."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        kid = getattr(value, "kid", None)
+        vault = _vault_of(dialect)
+        if kid is None or vault is None:
+            return value  # type: ignore[no-any-return]
+        sealed = vault.seal_view(kid, str(value).encode())
+        if sealed is None or not is_sealed(sealed):
+            return None if sealed is None else str(value)
+        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        if value is None or not value.startswith(TEXT_MAGIC):
+            return value  # type: ignore[no-any-return]
+        vault = _vault_of(dialect)
+        blob = base64.b64decode(value[len(TEXT_MAGIC):])
+        plain = None if vault is None else vault.open(blob)
+        return None if plain is None else plain.decode()
+
+
+def seal_columns(table: Any, rows: Sequence[dict[str, Any]], dialect: Dialect
+                 ) -> Sequence[dict[str, Any]]:
+    """`rows` with their sealed view columns sealed as their types would on the way in:
+    for a writer that hands the driver plain tuples and so skips the types."""
+    cols = [(c.name, c.type) for c in table.columns if isinstance(c.type, SealedView | SealedText)]
+    if not cols or _vault_of(dialect) is None:
+        return rows
+    return [{**r, **{name: typ.process_bind_param(r[name], dialect) for name, typ in cols}}
+            for r in rows]
+
+
+class SealedPayload(TypeDecorator[bytes]):
+    """`events.payload`: binary; a sealed value is opened on its way out of the
+    database with the vault attached to the engine (`attach`), so every reader of
+    events (projections, bulk loads, verify, audit, replay) gets plaintext. Without a
+    vault, or once its key is destroyed, a sealed payload reads as None (erased).
+    Writes pass through: the recorder seals rows before it inserts them
+    (`Recorder.insert_events`), and a restore imports sealed rows as they are."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None or bytes(value[:1]) != MAGIC[:1]:
+            return value  # type: ignore[no-any-return]
+        vault = _vault_of(dialect)
+        blob = bytes(value)
+        return None if vault is None else vault.open(blob)
