@@ -113,6 +113,10 @@ class Runner:
         projection; returns how many positions it moved."""
         with no_gc_pauses():
             moved = await self._step(proj, upto, size or self.batch_size)
+        if moved:
+            # Counted as events applied (about a row each): the planner's statistics of a
+            # fast-growing view are refreshed before its IN-list lookups turn into scans.
+            await self.store.recorder.note_growth([tb.name for tb in proj.tables], moved)
         if proj.name in self._stale:
             self._stale.discard(proj.name)
             await self.retry_quarantined([proj.name], stale_only=True)
