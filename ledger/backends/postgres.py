@@ -9,18 +9,25 @@ projections behind its snapshot; after an erasure the content tables are vacuume
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar, Final
 
 import structlog
 from sqlalchemy import Select, String, Table, Text, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
-from ledger.recorder import IntegrityReport, Recorder, WriteLock, short_error
+from ledger.recorder import (
+    IntegrityReport,
+    Recorder,
+    WriteLock,
+    raise_translated,
+    short_error,
+)
 
 log = structlog.get_logger("memledger.ledger")
 
@@ -68,6 +75,20 @@ class PostgresRecorder(Recorder):
                 "application_name": "memledger",
             }},
         )
+
+    def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """Autocommit: one statement reads one snapshot by itself, so the BEGIN, the
+        SET TRANSACTION and the COMMIT of `read` (three round trips, most of a point
+        read's time) are saved."""
+        return self._read_once()
+
+    @asynccontextmanager
+    async def _read_once(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as c0:
+                yield await c0.execution_options(isolation_level="AUTOCOMMIT")
+        except (DatabaseError, OSError) as e:
+            raise_translated(e)
 
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
