@@ -316,8 +316,10 @@ async def cli_pair(n: int, d: Path) -> dict[str, Any]:
                "MEMLEDGER_FORGET_REGISTER": str(d / "cli.forgets")}
         with Clock() as c:
             for args in (["append", str(path)], ["project"]):
-                subprocess.run([sys.executable, "-m", "memledger", *args], env=env,
-                               check=True, stdout=subprocess.DEVNULL)
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "memledger", *args, env=env,
+                    stdout=subprocess.DEVNULL)
+                assert await proc.wait() == 0, f"memledger {args[0]} failed"
         ev_rows = await rows_of(dsn, t.events)
         active = await rows_of(dsn, t.mem_versions, "WHERE status = 'active'")
     async with database("cli_raw") as raw_dsn:
@@ -345,7 +347,7 @@ async def reachable() -> str | None:
     """None when the server answers, else why not."""
     try:
         conn = await asyncpg.connect(f"{SERVER}/postgres", timeout=5)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as e:
         return f"{type(e).__name__}: {e}"
     await conn.close()
     return None
