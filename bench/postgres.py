@@ -264,13 +264,13 @@ async def one_size(n: int, out: list[dict[str, Any]], rates: dict[str, dict[int,
             rates.setdefault("all views", {})[n] = n / total
             say(f"postgres {k}: get and recall")
             rng = random.Random(7)
-            ours, base = await get_latencies(ml, dsn, size(2000, 300), rng)
+            ours, base = await get_latencies(ml, dsn, size(2000, 200), rng)
             out.append(result(f"pg get p99 ({k} events)", percentile(ours, 99), "us",
                               percentile(base, 99), note=(
                                   f"p50 {percentile(ours, 50):,.0f} us vs raw "
                                   f"{percentile(base, 50):,.0f} us; raw: asyncpg prepared "
                                   "SELECT by primary key; target: within 3x")))
-            ours, base = await recall_latencies(ml, dsn, size(300, 60), rng)
+            ours, base = await recall_latencies(ml, dsn, size(300, 30), rng)
             out.append(result(f"pg recall p99 ({k} events)", percentile(ours, 99), "ms",
                               percentile(base, 99), note=(
                                   f"p50 {percentile(ours, 50):.1f} ms vs raw "
@@ -360,7 +360,7 @@ async def run() -> list[dict[str, Any]]:
         say(f"postgres: skipped, no server at {SERVER} ({why}); "
             "start one or set MEMLEDGER_BENCH_PG")
         return []
-    sizes = (size(10_000, 1_000), size(50_000, 4_000))
+    sizes = (size(10_000, 1_000), size(50_000, 3_000))
     out: list[dict[str, Any]] = []
     rates: dict[str, dict[int, float]] = {}
     with workdir("postgres") as d:
@@ -373,7 +373,7 @@ async def run() -> list[dict[str, Any]]:
                 by[large], "events/s", by[small], "events/s",
                 "baseline: the same projection at the small size; target >= 0.85x"))
         say("postgres: 64-way append_one")
-        out.append(await concurrent_appends(size(TASKS * 100, TASKS * 10), d))
+        out.append(await concurrent_appends(size(TASKS * 100, TASKS * 5), d))
         say("postgres: CLI append + project")
         out.append(await cli_pair(small, d))
     return out
