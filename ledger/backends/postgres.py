@@ -9,7 +9,7 @@ projections behind its snapshot; after an erasure the content tables are vacuume
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar, Final
 
@@ -22,6 +22,7 @@ from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
 from ledger.recorder import (
+    EVENT_COLUMNS,
     IntegrityReport,
     Recorder,
     WriteLock,
@@ -46,6 +47,8 @@ STATS_MIN_ROWS: Final = 1000
 STATS_GROWTH: Final = 1.0
 #: How long a statistics refresh waits for a table lock before giving up for now.
 STATS_LOCK_TIMEOUT: Final = "2s"
+_INSERT_EVENTS: Final = (f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                         f"VALUES ({', '.join(f'${i + 1}' for i in range(len(EVENT_COLUMNS)))})")
 _BTREE_INDEXES: Final = text(
     "SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
     "JOIN pg_class tc ON tc.oid = i.indrelid JOIN pg_am am ON am.oid = ic.relam "
@@ -93,6 +96,13 @@ class PostgresRecorder(Recorder):
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
+
+    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                            ) -> None:
+        # As on SQLite: plain tuples in column order go straight to asyncpg's
+        # executemany, without SQLAlchemy's per-row parameter processing.
+        await conn.exec_driver_sql(_INSERT_EVENTS, [
+            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
     async def begin_snapshot(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
