@@ -7,18 +7,25 @@ columns, keys and indexes as `events`, in the same run:
 - batched: `Store.append` with 1,000 events per call vs `executemany` of 1,000 rows per
   transaction (target >= 0.5x);
 - concurrent: 64 asyncio tasks each calling `Store.append_one` in a loop (group commit)
-  vs raw sqlite3 committing one row per transaction (target >= 5,000 events/s).
+  vs raw sqlite3 committing one row per transaction (target >= 5,000 events/s);
+- the CLI pair: `memledger append FILE` then `memledger project` (two processes, every
+  view) vs raw sqlite3 parsing the same lines and writing the same event rows and
+  active rows, 1,000 per transaction (target >= 0.5x).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from bench.common import (
     Clock,
@@ -96,6 +103,47 @@ async def ledger_concurrent(path: Path, events: Sequence[Event]) -> float:
     return c.seconds
 
 
+async def cli_pair(d: Path, n: int) -> dict[str, Any]:
+    """`memledger append FILE` + `memledger project` of `n` events vs raw sqlite3 parsing
+    the lines and writing the event and active rows, 1,000 per transaction."""
+    with no_gc():
+        events = mixed_events(n, seed=4)
+    path = d / "events.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(ev.to_wire()) + b"\n" for ev in events))
+    db = d / "cli.db"
+    env = {**os.environ, "MEMLEDGER_DB_URL": sqlite_url(db)}
+    settle()
+    with Clock() as c:
+        for args in (["append", str(path)], ["project"]):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "memledger", *args, env=env,
+                stdout=subprocess.DEVNULL)
+            assert await proc.wait() == 0, f"memledger {args[0]} failed"
+    rows = stored_rows(db)
+    with contextlib.closing(sqlite3.connect(str(db))) as conn:
+        cols = ", ".join(col.name for col in t.mem_versions.c)
+        active = conn.execute(f"SELECT {cols} FROM mem_versions WHERE status = 'active'"
+                              ).fetchall()
+    settle()
+    with contextlib.closing(raw_connect(d / "raw-cli.db")) as conn:
+        create_like(conn, t.events, t.mem_versions)
+        mv = (f"INSERT INTO mem_versions ({cols}) "
+              f"VALUES ({', '.join('?' for _ in t.mem_versions.c)})")
+        with Clock() as r:
+            lines = path.read_bytes().splitlines()
+            for i in range(0, len(lines), BATCH):
+                for line in lines[i:i + BATCH]:
+                    orjson.loads(line)
+                conn.execute("BEGIN")
+                conn.executemany(INSERT, rows[i:i + BATCH])
+                conn.executemany(mv, active[i:i + BATCH])
+                conn.execute("COMMIT")
+    return result(f"CLI append + project ({n // 1000}k events, every view)", n / c.seconds,
+                  "events/s", n / r.seconds, "events/s",
+                  "two processes (about 1 s of start-up each); raw: sqlite3 parsing the "
+                  "lines and writing event and active rows, 1,000/commit; target >= 0.5x")
+
+
 async def run() -> list[dict[str, Any]]:
     """Batched and concurrent append, each beside raw sqlite3 on the same rows."""
     n_batched = size(100_000, 10_000)
@@ -135,6 +183,8 @@ async def run() -> list[dict[str, Any]]:
             f"raw: sqlite3 one row per commit (at {TASKS} rows per commit: "
             f"{len(rows) / raw64:,.0f} rows/s); target >= 5,000 events/s: "
             f"{'met' if rate >= 5000 else 'MISSED'}"))
+        say("memledger append FILE + memledger project")
+        out.append(await cli_pair(d, size(40_000, 4_000)))
     return out
 
 

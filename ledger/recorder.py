@@ -327,6 +327,13 @@ class Recorder(ABC):
         """Dead row versions still held per content table (where the backend keeps them)."""
         return {}
 
+    # -- planner statistics -----------------------------------------------------------------
+    @abstractmethod
+    async def note_growth(self, tables: Iterable[str], rows: int) -> None:
+        """Count `rows` written to each of `tables` (after the commit that wrote them), and
+        refresh the planner's statistics of a table that has grown enough since they were
+        last gathered, where the backend plans from statistics (PostgreSQL)."""
+
     async def erasure_leftovers(self) -> list[dict[str, Any]]:
         """Places outside the tables that may still hold erased content (after
         `reclaim`), as `replay verify --forgotten` problems."""

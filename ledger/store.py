@@ -45,6 +45,8 @@ configure_default()
 log = structlog.get_logger("memledger.ledger")
 
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
+#: The ledger tables an append makes grow (`Recorder.note_growth`).
+GROWING_TABLES: Final = ("events",)
 
 
 def open_vault(url: str, setting: bool | KeyStore | None) -> Vault | None:
@@ -221,6 +223,9 @@ class Store:
                 req.future.set_exception(out)
             else:
                 req.future.set_result(out)
+        appended = sum(1 for out in outcomes if not isinstance(out, BaseException)
+                       for r in out if r.status == "appended")
+        await self.recorder.note_growth(GROWING_TABLES, appended)
         for listener in self._listeners:
             try:
                 res = listener(head)

@@ -126,6 +126,10 @@ class Runner:
         if self._reclaim:
             self._reclaim = False
             await self.store.reclaim()
+        if moved:
+            # Counted as events applied (about a row each): the planner's statistics of a
+            # fast-growing view are refreshed before its IN-list lookups turn into scans.
+            await self.store.recorder.note_growth([tb.name for tb in proj.tables], moved)
         if proj.name in self._stale:
             self._stale.discard(proj.name)
             await self.retry_quarantined([proj.name], stale_only=True)

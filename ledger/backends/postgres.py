@@ -9,16 +9,28 @@ projections behind its snapshot; after an erasure the content tables are vacuume
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar, Final
 
+import structlog
 from sqlalchemy import Select, String, Table, Text, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
-from ledger.recorder import IntegrityReport, Recorder, WriteLock, short_error
+from ledger.recorder import (
+    EVENT_COLUMNS,
+    IntegrityReport,
+    Recorder,
+    WriteLock,
+    raise_translated,
+    short_error,
+)
+
+log = structlog.get_logger("memledger.ledger")
 
 #: Advisory lock ids, one per `WriteLock`.
 ADVISORY_LOCK_IDS: Final = {WriteLock.SCHEMA: 7231001, WriteLock.DEAD_LETTERS: 7231006}
@@ -48,6 +60,14 @@ LOCK_TIMEOUT: Final = "30s"
 CONTENT_TABLES: Final = ("events", "mem_versions", "task_notes", "tasks_view", "vectors")
 #: SQLSTATEs that mean "this role may not run amcheck here", not "the data is damaged".
 _NOT_PERMITTED: Final = ("42501", "0A000", "58P01", "42883")
+#: A table's statistics are refreshed once it has gained this many rows, and at least
+#: `STATS_GROWTH` times the rows it held when they were last gathered.
+STATS_MIN_ROWS: Final = 1000
+STATS_GROWTH: Final = 1.0
+#: How long a statistics refresh waits for a table lock before giving up for now.
+STATS_LOCK_TIMEOUT: Final = "2s"
+_INSERT_EVENTS: Final = (f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                         f"VALUES ({', '.join(f'${i + 1}' for i in range(len(EVENT_COLUMNS)))})")
 _BTREE_INDEXES: Final = text(
     "SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
     "JOIN pg_class tc ON tc.oid = i.indrelid JOIN pg_am am ON am.oid = ic.relam "
@@ -60,6 +80,13 @@ class PostgresRecorder(Recorder):
 
     name: ClassVar[str] = "postgresql"
     integrity_check_name: ClassVar[str] = "postgresql amcheck"
+
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
+        super().__init__(url, pool_size=pool_size)
+        #: Per table: rows written since its statistics were gathered, and the rows it
+        #: held then (read from `pg_class` the first time a table is counted).
+        self._grown: dict[str, int] = {}
+        self._analyzed_rows: dict[str, float] = {}
 
     def create_engine(self, pool_size: int) -> AsyncEngine:
         return create_async_engine(
@@ -75,10 +102,30 @@ class PostgresRecorder(Recorder):
 
     async def lease_holders(self, conn: AsyncConnection, lock_class: int) -> dict[int, str]:
         return await advisory_holders(conn, lock_class)
+    def read_once(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """Autocommit: one statement reads one snapshot by itself, so the BEGIN, the
+        SET TRANSACTION and the COMMIT of `read` (three round trips, most of a point
+        read's time) are saved."""
+        return self._read_once()
+
+    @asynccontextmanager
+    async def _read_once(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as c0:
+                yield await c0.execution_options(isolation_level="AUTOCOMMIT")
+        except (DatabaseError, OSError) as e:
+            raise_translated(e)
 
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
+
+    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                            ) -> None:
+        # As on SQLite: plain tuples in column order go straight to asyncpg's
+        # executemany, without SQLAlchemy's per-row parameter processing.
+        await conn.exec_driver_sql(_INSERT_EVENTS, [
+            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
     async def begin_snapshot(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
@@ -161,6 +208,49 @@ class PostgresRecorder(Recorder):
         async with self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             await conn.exec_driver_sql(f"VACUUM FULL {', '.join(CONTENT_TABLES)}")
+    async def note_growth(self, tables: Iterable[str], rows: int) -> None:
+        """ANALYZE the tables that have doubled since their statistics were taken.
+
+        Without statistics (a fresh table: autovacuum looks at it about once a minute)
+        the planner takes `col IN (400 values)` to match the whole table and scans it,
+        so each projection batch read every view row: quadratic. Refreshing at geometric
+        steps keeps the statistics within a factor of the truth for O(log n) ANALYZEs,
+        each of which reads a bounded sample of the table."""
+        names = list(tables)
+        if rows <= 0 or not names:
+            return
+        unknown = [n for n in names if n not in self._analyzed_rows]
+        due: list[str] = []
+        try:
+            async with self.engine.connect() as c0:
+                conn = await c0.execution_options(isolation_level="AUTOCOMMIT")
+                if unknown:
+                    await self._read_reltuples(conn, unknown)
+                for name in names:
+                    self._grown[name] = self._grown.get(name, 0) + rows
+                    if self._grown[name] >= max(STATS_MIN_ROWS,
+                                                STATS_GROWTH * self._analyzed_rows[name]):
+                        due.append(name)
+                if not due:
+                    return
+                await conn.execute(text(f"SET lock_timeout = '{STATS_LOCK_TIMEOUT}'"))
+                await conn.exec_driver_sql(f"ANALYZE {', '.join(due)}")
+                await conn.execute(text("RESET lock_timeout"))
+                await self._read_reltuples(conn, due)
+                for name in due:
+                    self._grown[name] = 0
+        except DBAPIError as e:
+            # Statistics speed plans up; a refresh that cannot run now (a lock held
+            # too long, a role that may not) is retried after the next writes.
+            log.warning("statistics_refresh_failed", tables=due, error=short_error(e))
+
+    async def _read_reltuples(self, conn: AsyncConnection, names: list[str]) -> None:
+        q = text("SELECT relname, reltuples FROM pg_class WHERE relname = ANY(:names) "
+                 "AND relkind = 'r' AND pg_table_is_visible(oid)")
+        got = {r[0]: float(r[1]) for r in (await conn.execute(q, {"names": names})).all()}
+        for name in names:
+            # -1: never analyzed (PostgreSQL 14+); 0 before that.
+            self._analyzed_rows[name] = max(0.0, got.get(name, 0.0))
 
     async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
         q = text("SELECT relname, n_dead_tup FROM pg_stat_user_tables "

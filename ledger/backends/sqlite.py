@@ -38,7 +38,7 @@ import fcntl
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, ClassVar, Final
@@ -178,6 +178,9 @@ class SQLiteRecorder(Recorder):
             conn = await c0.execution_options(memledger_no_begin=True)
             await conn.exec_driver_sql("VACUUM")
             await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    async def note_growth(self, tables: Iterable[str], rows: int) -> None:
+        """Nothing to refresh: SQLite serves `col IN (...)` from an index on `col`
+        whatever its statistics say (and the bulk paths never rely on them)."""
 
     async def erasure_leftovers(self) -> list[dict[str, Any]]:
         """A WAL that still holds page images, or secure_delete off (file databases)."""

@@ -11,6 +11,9 @@ import asyncio
 from typing import Any
 
 from ledger.errors import MemledgerError, ValidationError
+from ledger.events import Event
+from ledger.records import AppendResult
+from ledger.store import Store
 from ledger.validation import decode_event
 from memledger.cli.common import (
     REDIS_HELP,
@@ -27,48 +30,80 @@ TITLE = "app commands (what agent apps call)"
 #: The principal's flag, for errors about the principal.
 AS_FLAG = {"principal": "--as"}
 
-#: Lines appended concurrently (one group commit) before their results are printed.
-APPEND_CHUNK = 500
+#: Lines appended together (one shared transaction) before their results are printed.
+APPEND_CHUNK = 1000
+#: Lines validated between two chances for the chunk being committed to move on.
+_YIELD_EVERY = 64
+
+#: One line's outcome: the event, or why it was rejected.
+_Line = tuple[int, Event | MemledgerError]
+
+
+async def _commit_chunk(store: Store, chunk: list[_Line]) -> list[dict[str, Any]]:
+    """Append a chunk's valid events and return one result line per input line.
+
+    The chunk goes in as one request (one transaction); only if that is refused is each
+    line appended as a request of its own (still grouped into shared transactions), so
+    a rejected line never blocks the others and every line gets its own answer.
+    """
+    events = [x for _, x in chunk if isinstance(x, Event)]
+    results: list[AppendResult | BaseException] = []
+    if events:
+        try:
+            results = list(await store.append(events))
+        except MemledgerError:
+            results = await asyncio.gather(*(store.append_one(ev) for ev in events),
+                                           return_exceptions=True)
+    lines: list[dict[str, Any]] = []
+    got = iter(results)
+    for n, x in chunk:
+        res: AppendResult | BaseException = next(got) if isinstance(x, Event) else x
+        if isinstance(res, BaseException):
+            if not isinstance(res, MemledgerError):
+                raise res
+            lines.append({"line": n, "status": "rejected", "position": None,
+                          "error": str(res)})
+            continue
+        line: dict[str, Any] = {"line": n, "status": res.status, "position": res.position}
+        if res.suppressed:
+            line["suppressed"] = True
+        lines.append(line)
+    return lines
 
 
 async def cmd_append(args: argparse.Namespace) -> int:
-    """Append events from JSON Lines; one result line per input line."""
+    """Append events from JSON Lines; one result line per input line.
+
+    Lines are validated while the previous chunk commits (validation, secret scanning
+    included, is most of the work), and a chunk's lines share one transaction."""
     store = open_store(args)
     rejected = 0
     try:
         await store.open()
-        pending: list[tuple[int, Any]] = []
+        chunk: list[_Line] = []
+        inflight: asyncio.Task[list[dict[str, Any]]] | None = None
 
-        async def flush() -> None:
+        async def report(task: asyncio.Task[list[dict[str, Any]]] | None) -> None:
             nonlocal rejected
-            results = await asyncio.gather(*(store.append([ev]) for _, ev in pending),
-                                           return_exceptions=True)
-            for (n, _), res in zip(pending, results, strict=True):
-                if isinstance(res, BaseException):
-                    if not isinstance(res, MemledgerError):
-                        raise res
-                    rejected += 1
-                    out({"line": n, "status": "rejected", "position": None, "error": str(res)})
-                else:
-                    r = res[0]
-                    line: dict[str, Any] = {"line": n, "status": r.status, "position": r.position}
-                    if r.suppressed:
-                        line["suppressed"] = True
-                    out(line)
-            pending.clear()
+            if task is None:
+                return
+            for line in await task:
+                rejected += line["status"] == "rejected"
+                out(line)
 
         for n, raw in read_lines(args.file):
             try:
-                ev = decode_event(raw)
+                chunk.append((n, decode_event(raw)))
             except ValidationError as e:
-                await flush()
-                rejected += 1
-                out({"line": n, "status": "rejected", "position": None, "error": str(e)})
-                continue
-            pending.append((n, ev))
-            if len(pending) >= APPEND_CHUNK:
-                await flush()
-        await flush()
+                chunk.append((n, e))
+            if len(chunk) >= APPEND_CHUNK:
+                await report(inflight)
+                inflight = asyncio.ensure_future(_commit_chunk(store, chunk))
+                chunk = []
+            elif inflight is not None and len(chunk) % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        await report(inflight)
+        await report(asyncio.ensure_future(_commit_chunk(store, chunk)))
     finally:
         await store.close()
     if rejected:
