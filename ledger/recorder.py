@@ -127,6 +127,12 @@ class Recorder(ABC):
     async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
         """Hold `lock` until the transaction ends."""
 
+    def migration_lock(self, conn: AsyncConnection) -> AbstractAsyncContextManager[None]:
+        """Held while a schema migration runs on `conn`, which must not be inside a
+        transaction (each migration then commits its own): two processes never
+        migrate one database at once."""
+        raise NotImplementedError
+
     # -- transactions -----------------------------------------------------------------------
     def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A write transaction that holds the ledger's write lock until it commits."""
