@@ -88,6 +88,8 @@ class Instant:
     now_us: int
     #: What was asked: an RFC 3339 time or `position:N`.
     asked: str
+    #: The position the memories view (`mem_marks`) had applied in the same snapshot.
+    views_at: int = 0
 
     def wire(self) -> dict[str, Any]:
         """What an answer reports of its instant."""
@@ -113,38 +115,46 @@ def _utc_text(us: int) -> str:
 
 
 async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
-    """The instant an `as_of` value names, in `conn`'s snapshot of the ledger."""
+    """The instant an `as_of` value names, in `conn`'s snapshot of the ledger (one
+    statement: the position, its time, and how far the memories view has come)."""
     check_as_of(as_of)
-    ev = t.events.c
-    head = int((await conn.execute(select(func.max(ev.position)))).scalar() or 0)
+    ev, cp = t.events.c, t.checkpoints.c
+    views_at = select(cp.position).where(cp.name == _MEMORIES).scalar_subquery()
     if as_of.startswith(POSITION_PREFIX):
-        position = min(int(as_of[len(POSITION_PREFIX):]), head)
-        at = (await conn.execute(select(ev.recorded_at).where(ev.position == position))
-              ).scalar()
-        now_us = to_us(parse_rfc3339(at)) if at is not None else 0
-        return Instant(position, now_us, as_of)
+        # The last event at or before N: N itself, or the head when N is past it.
+        last = select(ev.position, ev.recorded_at).where(
+            ev.position <= int(as_of[len(POSITION_PREFIX):])).order_by(
+            ev.position.desc()).limit(1).subquery()
+        row = (await conn.execute(select(
+            select(last.c.position).scalar_subquery(),
+            select(last.c.recorded_at).scalar_subquery(), views_at))).one()
+        at = row[1]
+        return Instant(int(row[0] or 0), to_us(parse_rfc3339(at)) if at else 0, as_of,
+                       int(row[2] or 0))
     now_us = to_us(parse_rfc3339(as_of))
     # The longest prefix recorded by then: the first event recorded later ends it.
-    first_later = (await conn.execute(select(func.min(ev.position)).where(
-        ev.recorded_at > _utc_text(now_us)))).scalar()
-    position = head if first_later is None else int(first_later) - 1
-    return Instant(position, now_us, as_of)
+    row = (await conn.execute(select(
+        select(func.min(ev.position)).where(ev.recorded_at > _utc_text(now_us))
+        .scalar_subquery(),
+        select(func.max(ev.position)).scalar_subquery(), views_at))).one()
+    position = int(row[1] or 0) if row[0] is None else int(row[0]) - 1
+    return Instant(position, now_us, as_of, int(row[2] or 0))
 
 
 # -- memories ---------------------------------------------------------------------------
 
-async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], upto: int
-                 ) -> list[Mark]:
-    """The marks aimed at `ids` set by events at positions <= `upto`."""
+async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], instant: Instant,
+                 ids_sql: Any = None) -> list[Mark]:
+    """The marks aimed at `ids` set by events at positions up to the instant; `ids_sql`,
+    a SELECT of those ids, saves sending many of them as parameters."""
     wanted = sorted(set(ids))
     if not wanted:
         return []
-    cp = t.checkpoints.c
-    done = int((await conn.execute(select(cp.position).where(cp.name == _MEMORIES))
-                ).scalar() or 0)
+    upto, done = instant.position, instant.views_at
     mk, ev = t.mem_marks.c, t.events.c
     out: list[Mark] = []
-    for chunk in chunks(wanted):
+    parts = [ids_sql] if ids_sql is not None and len(wanted) > _MANY else chunks(wanted)
+    for chunk in parts:
         q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
                                       mk.position <= min(upto, done))
         out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
@@ -164,7 +174,44 @@ def _fact(r: Sequence[Any]) -> WriteFact:
     """A write fact as it was when written: an erased payload is content withheld
     now, not a suppression then (`suppressed` is the event's own flag)."""
     f = write_fact_of_row(r)
-    return dataclasses.replace(f, suppressed=bool(r[WRITE_COLUMNS.index("suppressed")]))
+    if f.suppressed and not r[_SUPPRESSED]:
+        return dataclasses.replace(f, suppressed=False)
+    return f
+
+
+_SUPPRESSED: Final = WRITE_COLUMNS.index("suppressed")
+#: More ids than this are matched by a subquery rather than sent as parameters.
+_MANY: Final = 400
+
+
+class _Reach:
+    """The tombstones that can reach a slot, found by kind instead of by trying each
+    (a principal's recall resolves every slot it has against every tombstone)."""
+
+    def __init__(self, tombs: Sequence[Tombstone]) -> None:
+        self.by_id: dict[str, list[Tombstone]] = {}
+        self.by_key: dict[tuple[str | None, str | None], list[Tombstone]] = {}
+        self.by_task: dict[str | None, list[Tombstone]] = {}
+        self.prefixes: list[Tombstone] = []
+        for ts in tombs:
+            if ts.kind == "memory_id":
+                self.by_id.setdefault(ts.memory_id or "", []).append(ts)
+            elif ts.kind == "key":
+                self.by_key.setdefault((ts.ns_path, ts.mkey), []).append(ts)
+            elif ts.kind == "task":
+                self.by_task.setdefault(ts.task_key, []).append(ts)
+            else:
+                self.prefixes.append(ts)
+
+    def slot(self, ws: Sequence[WriteFact]) -> list[Tombstone]:
+        """Every tombstone that may cover a write of this slot (the rule then decides)."""
+        w = ws[0]
+        out = [ts for x in ws for ts in self.by_id.get(x.memory_id, ())]
+        out += self.by_key.get((w.ns_path, w.key), [])
+        if w.task_key is not None:
+            out += self.by_task.get(w.task_key, [])
+        out += [ts for ts in self.prefixes if w.ns_path.startswith(ts.ns_path or "\x00")]
+        return out
 
 
 async def _tombstones(conn: AsyncConnection, tenant: str) -> list[Tombstone]:
@@ -181,19 +228,19 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     `conds` (SQL on `events`), resolved as the memories view resolves them; each row
     has the `mem_versions` columns plus `redacted`."""
     ev = t.events.c
-    q = select(*[ev[c] for c in WRITE_COLUMNS]).where(
-        ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
-        ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix), *conds)
+    where = (ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
+             ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix), *conds)
+    q = select(*[ev[c] for c in WRITE_COLUMNS]).where(*where)
     facts = [_fact(r) for r in (await conn.execute(q)).all()]
     if not facts:
         return []
     erased = {f.memory_id for f in facts if f.value is None}
-    marks = await _marks(conn, who.tenant, (f.memory_id for f in facts), instant.position)
+    marks = await _marks(conn, who.tenant, (f.memory_id for f in facts), instant,
+                         select(ev.memory_id).where(*where))
     vias = {m.via_candidate for m in marks if m.via_candidate}
-    confirmed = {m.target for m in await _marks(conn, who.tenant, vias, instant.position)
+    confirmed = {m.target for m in await _marks(conn, who.tenant, vias, instant)
                  if m.kind == "confirmed"}
-    tombs = await _tombstones(conn, who.tenant)
-    past = [ts for ts in tombs if ts.position <= instant.position]
+    reach = _Reach(await _tombstones(conn, who.tenant))
     by_slot: dict[str, list[WriteFact]] = {}
     for f in facts:
         by_slot.setdefault(f.slot, []).append(f)
@@ -204,6 +251,8 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     for slot in sorted(by_slot):
         ws = by_slot[slot]
         ms = [m for w in ws for m in by_target.get(w.memory_id, ())]
+        tombs = reach.slot(ws)
+        past = [ts for ts in tombs if ts.position <= instant.position]
         for row in resolve_slot(ws, ms, confirmed, past):
             coords = Coordinates(row["tenant"], row["order_key"], row["memory_id"],
                                  row["ns_path"], row["mkey"], row["task_key"])
@@ -416,7 +465,7 @@ async def explain_memory(conn: AsyncConnection, tenant: str, memory_id: str,
     owner = reads.Principal(parts[0], parts[1])
     rows = await memory_rows(conn, owner, instant, ev.slot == first.slot)
     mine = next(r for r in rows if r.memory_id == memory_id)
-    marks = await _marks(conn, tenant, [memory_id], instant.position)
+    marks = await _marks(conn, tenant, [memory_id], instant)
     tombs = [ts for ts in await _tombstones(conn, tenant) if ts.position <= instant.position]
 
     def made(r: SimpleNamespace) -> dict[str, Any]:

@@ -221,7 +221,7 @@ async def cmd_db(args: argparse.Namespace) -> int:
 
 def _add_db(aud: Audience) -> None:
     db = aud.command("db", "schema migrations: upgrade, current, check, downgrade "
-                           "(docs/operations.md#upgrading)")
+                           "(docs/operations.md#upgrading-schema-migrations)")
     actions = db.add_subparsers(dest="action", required=True, metavar="ACTION")
     up = handles(actions.add_parser(
         "upgrade", help="upgrade the database to the head revision (or --revision); a "

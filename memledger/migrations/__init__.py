@@ -45,6 +45,8 @@ BASELINE: Final = "0001_baseline"
 def _config(**attributes: Any) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPT_LOCATION)
+    # The file is named after the revision id alone (`0004_what.py`): the id holds the slug.
+    cfg.set_main_option("file_template", "%%(rev)s")
     cfg.attributes.update(attributes)
     return cfg
 

@@ -1,7 +1,7 @@
-"""Schema migrations (docs/operations.md#upgrading): a database made by d2f33e6, the last
-release before migrations, upgrades to the head and then reads, verifies and takes
-writes as a new one does; `db check` is the gate that catches a schema change made in
-`ledger.schema` without a revision.
+"""Schema migrations (docs/operations.md#upgrading-schema-migrations): a database made
+by d2f33e6, the last release before migrations, upgrades to the head and then reads,
+verifies and takes writes as a new one does; `db check` is the gate that catches a
+schema change made in `ledger.schema` without a revision.
 
 The fixtures `tests/fixtures/d2f33e6_story.{db,sql}` were made by d2f33e6's own code
 from the running example (`tests/fixtures/story.jsonl`, R29) with

@@ -36,7 +36,8 @@ from workers.runtime import Settings
 ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
-            "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys"}
+            "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys", "history",
+            "db"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None, module: bool = False,
@@ -65,8 +66,8 @@ def test_help_lists_the_commands_by_audience() -> None:
     assert proc.returncode == 0
     groups = _groups(proc.stdout.decode())
     assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE, server.TITLE]
-    assert groups[app.TITLE] == ["append", "publish", "get", "recall", "tasks"]
-    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "backup",
+    assert groups[app.TITLE] == ["append", "publish", "get", "recall", "history", "tasks"]
+    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "db", "backup",
                                       "restore"]
     assert groups[workers.TITLE] == ["worker", "dead-letters"]
     assert groups[server.TITLE] == ["serve", "keys"]
