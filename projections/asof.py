@@ -30,7 +30,6 @@ position N). Principal scoping is the same as for every read (R24).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.errors import ValidationError
-from ledger.events import MEMORY_WRITES, ns_path, parse_rfc3339, slot_id, to_us
+from ledger.events import MEMORY_WRITES, encode_json, ns_path, parse_rfc3339, slot_id, to_us
 from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import stored_from_row
@@ -170,16 +169,37 @@ async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], instant
     return out
 
 
+#: What `write_fact_of_row` reads as the payload while a slot is resolved: the envelope
+#: decides versions and statuses; the content is read afterwards, for the rows shown
+#: (`fill`), so a user's long history is not decoded on every as-of read.
+_ENVELOPE_ONLY: Final = b'{"data":{}}'
+
+
 def _fact(r: Sequence[Any]) -> WriteFact:
-    """A write fact as it was when written: an erased payload is content withheld
-    now, not a suppression then (`suppressed` is the event's own flag)."""
-    f = write_fact_of_row(r)
-    if f.suppressed and not r[_SUPPRESSED]:
-        return dataclasses.replace(f, suppressed=False)
-    return f
+    """A write fact from a row of `WRITE_COLUMNS` less the payload: the envelope, and
+    `suppressed` as the event's own flag (an erased payload is content withheld now,
+    not a suppression then)."""
+    return write_fact_of_row((*r, _ENVELOPE_ONLY))
 
 
-_SUPPRESSED: Final = WRITE_COLUMNS.index("suppressed")
+async def fill(conn: AsyncConnection, rows: Sequence[SimpleNamespace]) -> None:
+    """Read the content of rows that show it (not forgotten, not redacted) from their
+    events' payloads: value, text, scope, expiry and session, as the view holds them."""
+    want = {r.position: r for r in rows if r.status != "forgotten" and not r.redacted}
+    ev = t.events.c
+    for chunk in chunks(sorted(want)):
+        q = select(ev.position, ev.payload).where(ev.position.in_(chunk))
+        for position, payload in (await conn.execute(q)).all():
+            if payload is None:
+                continue
+            d = orjson.loads(payload)["data"]
+            r = want[int(position)]
+            r.value = encode_json(d["value"]) if "value" in d else None
+            r.text, r.scope, r.session_id = d.get("text"), d.get("scope"), d.get("session_id")
+            r.expires_at = d.get("expires_at")
+            r.expires_us = to_us(parse_rfc3339(r.expires_at)) if r.expires_at else None
+
+
 #: More ids than this are matched by a subquery rather than sent as parameters.
 _MANY: Final = 400
 
@@ -226,15 +246,17 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
                       *conds: Any) -> list[SimpleNamespace]:
     """Every version, as of the instant, of the principal's slots whose writes match
     `conds` (SQL on `events`), resolved as the memories view resolves them; each row
-    has the `mem_versions` columns plus `redacted`."""
+    has the `mem_versions` columns plus `redacted`. Content columns are empty until
+    `fill` reads them for the rows a caller shows."""
     ev = t.events.c
     where = (ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
              ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix), *conds)
-    q = select(*[ev[c] for c in WRITE_COLUMNS]).where(*where)
-    facts = [_fact(r) for r in (await conn.execute(q)).all()]
-    if not facts:
+    q = select(*[ev[c] for c in WRITE_COLUMNS[:-1]], ev.payload.is_(None)).where(*where)
+    rows = (await conn.execute(q)).all()
+    if not rows:
         return []
-    erased = {f.memory_id for f in facts if f.value is None}
+    facts = [_fact(r[:-1]) for r in rows]
+    erased = {f.memory_id for f, r in zip(facts, rows, strict=True) if r[-1]}
     marks = await _marks(conn, who.tenant, (f.memory_id for f in facts), instant,
                          select(ev.memory_id).where(*where))
     vias = {m.via_candidate for m in marks if m.via_candidate}
@@ -287,7 +309,9 @@ async def get(conn: AsyncConnection, who: reads.Principal, namespace: list[str],
     if session is not None:
         slots.append(slot_id(who.tenant, nsp, key, "session", session))
     rows = [r for r in await memory_rows(conn, who, instant, t.events.c.slot.in_(slots))
-            if _live(r, instant.now_us)]
+            if r.status == "active"]
+    await fill(conn, rows)
+    rows = [r for r in rows if _live(r, instant.now_us)]
     if not rows:
         return {"found": False}
     best = min(rows, key=lambda r: reads.LAYER_RANK[r.layer])
@@ -304,6 +328,7 @@ async def history(conn: AsyncConnection, who: reads.Principal, namespace: list[s
     ev = t.events.c
     rows = await memory_rows(conn, who, instant, ev.ns_path == ns_path(namespace),
                              ev.mkey == key)
+    await fill(conn, rows)
     rows.sort(key=lambda r: (r.layer, r.task_key or "", r.session_id or "", r.version))
     out: list[dict[str, Any]] = []
     for r in rows:
@@ -319,7 +344,8 @@ async def active_memories(conn: AsyncConnection, who: reads.Principal, *, instan
                           task: str | None = None, session: str | None = None
                           ) -> list[SimpleNamespace]:
     """`reads.active_memories` as of the instant (long-term, the task's, the session's)."""
-    rows = await memory_rows(conn, who, instant)
+    rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
+    await fill(conn, rows)
     return [r for r in rows if _live(r, instant.now_us) and (
         r.layer == "long" or (r.layer == "task" and r.task_key == task and task is not None)
         or (r.layer == "session" and session is not None and r.session_id == session))]
@@ -496,5 +522,6 @@ async def explain_memory(conn: AsyncConnection, tenant: str, memory_id: str,
         return {"memory_id": r.memory_id, "version": r.version, "status": r.status,
                 "layer": r.layer, "redacted": r.redacted, "made_by": made(r)}
 
+    await fill(conn, [r for r in rows if r.status == "active"])
     active = [r for r in rows if _live(r, instant.now_us)]
     return {"memory": brief(mine), "active": brief(active[0]) if active else None}
