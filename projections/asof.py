@@ -250,7 +250,8 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     `fill` reads them for the rows a caller shows."""
     ev = t.events.c
     where = (ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
-             ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix), *conds)
+             ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix),
+             *_prefix_range(conn, ev.ns_path, who.prefix), *conds)
     q = select(*[ev[c] for c in WRITE_COLUMNS[:-1]], ev.payload.is_(None)).where(*where)
     rows = (await conn.execute(q)).all()
     if not rows:
@@ -283,6 +284,14 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
                 row.update(dict.fromkeys(REDACTED_FIELDS), text=None, expires_us=None)
             out.append(SimpleNamespace(**row, redacted=hidden))
     return out
+
+
+def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
+    """`projections.sql.prefix_range` for a connection: on SQLite (bytewise TEXT) a
+    range an index on `(tenant, ns_path, ...)` serves; nothing elsewhere."""
+    if conn.dialect.name != "sqlite":
+        return []
+    return [col >= prefix, col < prefix[:-1] + "\x20"]
 
 
 def _live(r: SimpleNamespace, now_us: int) -> bool:
