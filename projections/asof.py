@@ -448,7 +448,7 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
     """`projections.recall.recall` as of the instant: the same ranking, overrides,
     budget and task matching over what the principal's memory held then, scored on
     demand (no index of the past is kept). The audit record (R25) is written as for
-    every recall, at `now_us`, and names the instant."""
+    every recall, at `now_us`: ids, versions, scores and reasons of what was returned."""
     who = reads.Principal.parse(principal)
     await store.open()
     emb = current_embedder()
