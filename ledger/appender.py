@@ -11,7 +11,7 @@ group's state as it was (`_Undo`), so the other requests still commit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -45,7 +45,7 @@ from ledger.forgets import (
     tombstone_row,
 )
 from ledger.recorder import Recorder, ledger_id, pairs_in
-from ledger.records import AppendResult, now_iso
+from ledger.records import AppendResult
 from ledger.register import ForgetRegister
 
 
@@ -55,6 +55,8 @@ class Ledger(Protocol):
 
     recorder: Recorder
     register: ForgetRegister
+    #: The recording clock: `events.recorded_at` of what is appended now.
+    clock: Callable[[], str]
 
     async def tombstones(self, conn: AsyncConnection, tenants: Iterable[str] | None = None,
                          upto: int | None = None) -> list[Tombstone]:
@@ -192,7 +194,7 @@ class Appender:
         await self._prefetch(group)
         position, chain = await self.recorder.last_link(self.conn)
         outcomes: list[list[AppendResult] | BaseException] = []
-        recorded = now_iso()
+        recorded = self.store.clock()
         for req in group:
             undo = _Undo()
             mark = (len(self.rows), len(self.tomb_rows), len(self.register), position, chain)
@@ -337,7 +339,7 @@ async def record_unchecked(store: Ledger, conn: AsyncConnection, ev: Event) -> i
     position. For `replay.rebuild`: a register forget whose target is absent."""
     position, prev = await store.recorder.last_link(conn)
     position += 1
-    row = event_row(ev, position, now_iso(), suppressed=False, owner_path=None)
+    row = event_row(ev, position, store.clock(), suppressed=False, owner_path=None)
     seal(row, prev)
     await store.recorder.insert_events(conn, [row])
     ts = tombstone_of(ev, position)

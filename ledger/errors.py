@@ -97,5 +97,15 @@ class RegisterError(MemledgerError):
     """The forget register could not be read or written."""
 
 
+class SchemaOutOfDate(MemledgerError):
+    """The database's schema is not the one this memledger was built for: an older
+    revision (the message names the command that upgrades it) or a newer one."""
+
+    def __init__(self, revision: str | None, wanted: str, message: str) -> None:
+        self.revision = revision
+        self.wanted = wanted
+        super().__init__(message)
+
+
 class BrokerUnavailable(MemledgerError):
     """The message broker (Redis) could not take a message; the event was not sent."""

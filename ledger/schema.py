@@ -28,8 +28,25 @@ from sqlalchemy import (
 from ledger.vault import SealedPayload, SealedText, SealedView
 
 SCHEMA_VERSION: Final = 1
+#: The Alembic revision these tables are (`memledger/migrations/versions`, the head of
+#: its one version tree). `Store.open` stamps it on a new database and refuses a
+#: database at any other revision with the command that upgrades it. A change to a
+#: table, column or index below needs a new revision and this set to its id
+#: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
+#: both are done.
+SCHEMA_REVISION: Final = "0003_events_recorded_at"
 
 metadata = MetaData()
+
+#: Alembic's version table, as Alembic itself defines it. Kept in its own metadata: it
+#: belongs to the migration machinery, not to the models `memledger db check` compares.
+version_metadata = MetaData()
+alembic_version = Table(
+    "alembic_version",
+    version_metadata,
+    Column("version_num", String(32), nullable=False),
+    PrimaryKeyConstraint("version_num", name="alembic_version_pkc"),
+)
 
 # -- ledger -------------------------------------------------------------------------------
 
@@ -74,6 +91,9 @@ events = Table(
     Index("ix_events_memory", "tenant", "memory_id"),
     Index("ix_events_task", "tenant", "task_key"),
     Index("ix_events_ns", "tenant", "ns_path", "mkey"),
+    # As-of reads turn a time into the last position recorded by then
+    # (`projections.asof`): without it that is a scan of the whole ledger.
+    Index("ix_events_recorded_at", "recorded_at"),
 )
 
 tombstones = Table(

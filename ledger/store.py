@@ -17,19 +17,20 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import inspect, select
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.appender import GROUP_MAX_EVENTS, Appender, Request
 from ledger.backends import recorder_for
-from ledger.errors import MemledgerError, StoreUnavailable
+from ledger.errors import MemledgerError, SchemaOutOfDate, StoreUnavailable
 from ledger.events import Event
 from ledger.forgets import Tombstone, tombstone_from_row
 from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
-from ledger.records import AppendResult, StoredEvent
+from ledger.records import AppendResult, StoredEvent, now_iso
 from ledger.register import ForgetRegister, default_register_path
 from ledger.vault import (
     FileKeyStore,
@@ -66,13 +67,18 @@ class Store:
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
                  pool_size: int = 5, write_turns: bool = False,
-                 vault: bool | KeyStore | None = None) -> None:
+                 vault: bool | KeyStore | None = None,
+                 clock: Callable[[], str] = now_iso) -> None:
         """`write_turns`: write transactions take turns with other processes on the
         same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons).
 
         `vault`: encrypt content under per-subject keys (`ledger.vault`): True, False,
         a `KeyStore`, or None for the setting `MEMLEDGER_VAULT` (and, when that is not
-        set, on if the ledger's key store file exists)."""
+        set, on if the ledger's key store file exists).
+
+        `clock` gives the recording time of an append (`events.recorded_at`, the axis
+        of as-of reads): the UTC wall clock, RFC 3339 with microseconds; a test that
+        replays a story as it happened sets its own."""
         self.url = url or os.environ.get("MEMLEDGER_DB_URL") or DEFAULT_URL
         self.recorder = recorder_for(self.url, pool_size=pool_size, write_turns=write_turns)
         self.turn = self.recorder.turn
@@ -85,6 +91,7 @@ class Store:
         self.vault = open_vault(self.url, vault)
         self.recorder.vault = self.vault
         attach(self.engine.sync_engine.dialect, self.vault)
+        self.clock = clock
         self._queue: list[Request] = []
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -111,7 +118,8 @@ class Store:
         return self.recorder.view_write()
 
     async def open(self) -> Store:
-        """Create the schema if needed and check its version; idempotent."""
+        """Create the schema of a new database (at the head revision) or check that an
+        existing one is at the head revision; idempotent."""
         if self._opened:
             return self
         if self._open_lock is None:
@@ -124,22 +132,45 @@ class Store:
                     conn = await c0.execution_options(memledger_write=True)
                     await conn.begin()
                     await self.recorder.advisory_lock(conn, WriteLock.SCHEMA)
-                    await conn.run_sync(t.metadata.create_all)
+                    await conn.run_sync(self._ensure_schema)
                     row = (await conn.execute(
                         select(t.meta.c.value).where(t.meta.c.name == "schema_version")
                     )).first()
                     if row is None:
                         await conn.execute(t.meta.insert().values(
                             name="schema_version", value=str(t.SCHEMA_VERSION)))
-                    elif int(row[0]) > t.SCHEMA_VERSION:
-                        raise MemledgerError(
-                            f"database schema version {row[0]} is newer than this "
-                            f"memledger ({t.SCHEMA_VERSION}); upgrade memledger")
                     await conn.commit()
             except (DatabaseError, OSError) as e:
                 raise_translated(e, "cannot open ledger database")
             self._opened = True
         return self
+
+    def _ensure_schema(self, conn: Connection) -> None:
+        """A new database is created at the head revision and stamped; any other
+        revision is refused with the command that upgrades it (no silent migration:
+        `MemoryLedger(migrate=True)` is the explicit opt-in)."""
+        insp = inspect(conn)
+        revision = None
+        if insp.has_table(t.alembic_version.name):
+            revision = conn.execute(select(t.alembic_version.c.version_num)).scalar()
+        elif not insp.has_table(t.events.name):
+            t.metadata.create_all(conn)
+            t.version_metadata.create_all(conn)
+            conn.execute(t.alembic_version.insert().values(version_num=t.SCHEMA_REVISION))
+            return
+        if revision == t.SCHEMA_REVISION:
+            return
+        where = make_url(self.url).render_as_string(hide_password=True)
+        upgrade = f"memledger --db '{where}' db upgrade"
+        if revision is None:
+            raise SchemaOutOfDate(None, t.SCHEMA_REVISION, (
+                f"the database was made by a memledger without schema migrations; upgrade "
+                f"it to revision {t.SCHEMA_REVISION} with `{upgrade}` (take a backup "
+                "first: `memledger backup PATH`)"))
+        raise SchemaOutOfDate(revision, t.SCHEMA_REVISION, (
+            f"the database is at schema revision {revision}, this memledger needs "
+            f"{t.SCHEMA_REVISION}: if it is older, upgrade it with `{upgrade}` (take a "
+            "backup first: `memledger backup PATH`); if it is newer, upgrade memledger"))
 
     async def close(self) -> None:
         """Finish pending appends and dispose of the connection pool."""

@@ -24,6 +24,7 @@ from ledger.errors import (
     IntegrityError,
     MemledgerError,
     RegisterError,
+    SchemaOutOfDate,
     StoreUnavailable,
     ValidationError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "RecallItem",
     "RecalledTask",
     "RegisterError",
+    "SchemaOutOfDate",
     "Source",
     "StoreUnavailable",
     "TaskSummary",

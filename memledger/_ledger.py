@@ -20,8 +20,9 @@ from ledger.events import Event
 from ledger.records import AppendResult
 from ledger.store import Store
 from ledger.validation import parse_event
+from memledger import migrations
 from memledger.results import Memory, MemoryVersion, Recall, TaskSummary
-from projections import reads
+from projections import asof, reads
 from projections.recall import recall as run_recall
 from projections.runner import Runner
 from workers.publish import Publisher, PublishResult
@@ -48,15 +49,19 @@ class MemoryLedger:
     """
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
-                 broker: str | None = None) -> None:
+                 broker: str | None = None, migrate: bool = False) -> None:
+        """`migrate=True` upgrades a database whose schema is behind when the ledger
+        opens (`memledger db upgrade`); without it such a database is refused with
+        the command to run. Meant for the embedded default, where the app is the only
+        user of its file; a shared server is upgraded by its operator."""
         self.store = Store(url, register_path=register_path)
+        self._migrate = migrate
         self.runner = Runner(self.store)
         self._broker_url = broker
         self._publisher: Publisher | None = None
 
     async def __aenter__(self) -> MemoryLedger:
-        await self.store.open()
-        return self
+        return await self.open()
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -64,6 +69,8 @@ class MemoryLedger:
 
     async def open(self) -> MemoryLedger:
         """Open the database (creating the schema of a new one); `async with` does this."""
+        if self._migrate:
+            await migrations.upgrade(self.store.url)
         await self.store.open()
         return self
 
@@ -296,8 +303,17 @@ class Principal:
 
     # -- reads -------------------------------------------------------------------------
     async def get(self, namespace: Sequence[str], key: str, *, task: str | None = None,
-                  session: str | None = None) -> Memory | None:
-        """The active value of `key` for this user (session beats task beats long-term)."""
+                  session: str | None = None, as_of: str | None = None) -> Memory | None:
+        """The active value of `key` for this user (session beats task beats long-term).
+
+        `as_of` (an RFC 3339 time or `position:N`) reads it as the ledger held it then
+        (docs/projections.md#as-of): content forgotten since comes back `redacted`."""
+        if as_of is not None:
+            async with self.ledger.store.read() as conn:
+                instant = await asof.resolve(conn, as_of)
+                got = await asof.get(conn, self._who, self.namespace(namespace), key,
+                                     instant=instant, task=task, session=session)
+            return Memory.from_dict({**got, **instant.wire()}) if got.get("found") else None
         store = self.ledger.store
         async with store.read_once() as conn:
             got = await reads.get(conn, self._who, self.namespace(namespace), key,
@@ -319,24 +335,44 @@ class Principal:
         async with self.ledger.store.read() as conn:
             return await reads.covered_by(conn, self._who, position)
 
-    async def history(self, namespace: Sequence[str], key: str) -> list[MemoryVersion]:
-        """Every version of a key, oldest first; forgotten ones redacted."""
+    async def history(self, namespace: Sequence[str], key: str, *, as_of: str | None = None
+                      ) -> list[MemoryVersion]:
+        """Every version of a key, oldest first; forgotten ones redacted. With `as_of`,
+        the versions the ledger held then, with the status each had then."""
         async with self.ledger.store.read() as conn:
-            rows = await reads.history(conn, self._who, self.namespace(namespace), key)
+            if as_of is not None:
+                instant = await asof.resolve(conn, as_of)
+                rows = await asof.history(conn, self._who, self.namespace(namespace), key,
+                                          instant=instant)
+            else:
+                rows = await reads.history(conn, self._who, self.namespace(namespace), key)
         return [MemoryVersion.from_dict(r) for r in rows]
 
-    async def tasks(self, *, include_closed: bool = False) -> list[TaskSummary]:
-        """This user's task summaries (open ones unless `include_closed`)."""
+    async def tasks(self, *, include_closed: bool = False, as_of: str | None = None
+                    ) -> list[TaskSummary]:
+        """This user's task summaries (open ones unless `include_closed`); with `as_of`,
+        as they were then."""
         async with self.ledger.store.read() as conn:
-            rows = await reads.tasks(conn, self._who, include_closed=include_closed)
+            if as_of is not None:
+                instant = await asof.resolve(conn, as_of)
+                rows = await asof.tasks(conn, self._who, instant=instant,
+                                        include_closed=include_closed)
+            else:
+                rows = await reads.tasks(conn, self._who, include_closed=include_closed)
         return [TaskSummary.from_dict(r) for r in rows]
 
     async def recall(self, query: str | None = None, *, session: str | None = None,
                      task: str | None = None, budget: int | None = None,
-                     limit: int = 20) -> Recall:
-        """Memories and open tasks to put before a model turn, with an audit id (R25)."""
+                     limit: int = 20, as_of: str | None = None) -> Recall:
+        """Memories and open tasks to put before a model turn, with an audit id (R25);
+        with `as_of`, what recall would have chosen from the memory held then."""
         if limit < 1:
             raise ValidationError("limit", "must be at least 1")
+        if as_of is not None:
+            got = await asof.recall(self.ledger.store, f"{self.tenant}/{self.user}",
+                                    as_of=as_of, query=query, session=session, task=task,
+                                    budget=budget, limit=limit, now_us=_now_us())
+            return Recall.from_dict(got)
         out = await run_recall(self.ledger.store, f"{self.tenant}/{self.user}", query=query,
                                session=session, task=task, budget=budget, limit=limit,
                                now_us=_now_us())

@@ -45,6 +45,11 @@ class Memory:
                    d.get("session_id"), d.get("scope"), d.get("expires_at"),
                    _frozen_copy(d))
 
+    @property
+    def redacted(self) -> bool:
+        """An as-of read of a memory forgotten since: its value is withheld."""
+        return bool(self._raw.get("redacted", False))
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape `memledger get` prints (with `"found": true`)."""
         return {"found": True, **{k: v for k, v in _frozen_copy(self._raw).items()
@@ -129,6 +134,11 @@ class TaskSummary:
         return cls(d["task_key"], d["status"], d.get("refs", {}), d.get("reports", []),
                    d.get("corrections", []), d.get("system", {}), d.get("todos", []),
                    d.get("title"), _frozen_copy(d))
+
+    @property
+    def redacted(self) -> bool:
+        """An as-of read of a task with notes forgotten since: they are withheld."""
+        return bool(self._raw.get("redacted", False))
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as `memledger tasks` prints it."""

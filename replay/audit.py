@@ -9,6 +9,9 @@ from the recall audit tables: audit id, time, principal, score and reason, never
 (R25). An event a projection quarantined carries `"quarantined"`: for each such view,
 the error's class and safe message, code version, time and attempts
 (docs/projections.md#quarantine). An operator command: no principal, `--tenant` narrows.
+
+`audit_as_of` is the same history cut at a past instant, with what was active then
+and which event made it so (`projections.asof`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.errors import ValidationError
-from ledger.events import MEMORY_WRITES, ns_parts, ns_path
+from ledger.events import MEMORY_WRITES, ns_parts, ns_path, parse_rfc3339, to_us
 from ledger.forgets import Coordinates, Tombstone, covers, tombstone_from_row
 from ledger.store import Store
-from projections import quarantine
+from projections import asof, quarantine
 from replay.rows import by_tenant, covering, row_dict
 
 _CHUNK = 400
@@ -276,6 +279,23 @@ async def audit(store: Store, *, memory_id: str | None = None,
     if task is not None:
         out["tasks"] = tasks_out
     return out
+
+
+async def audit_as_of(store: Store, memory_id: str, as_of: str, *,
+                      tenant: str | None = None) -> dict[str, Any]:
+    """`replay audit --memory-id M --as-of T`: the memory's history as the ledger held it
+    at that instant (events recorded after it are left out), what was active in its slot
+    then, and which event made it so (docs/projections.md#as-of)."""
+    full = await audit(store, memory_id=memory_id, tenant=tenant)
+    async with store.read() as conn:
+        instant = await asof.resolve(conn, as_of)
+        tenants = sorted({e["tenant"] for e in full["events"]} | ({tenant} if tenant else set()))
+        then = {tn: await asof.explain_memory(conn, tn, memory_id, instant) for tn in tenants}
+    events = [e for e in full["events"] if e["position"] <= instant.position]
+    recalls = [r for r in full["recalls"] if to_us(parse_rfc3339(r["at"])) <= instant.now_us]
+    return {"query": {**full["query"], "as_of": as_of}, **instant.wire(),
+            "then": [{"tenant": tn, **x} for tn, x in then.items() if x is not None],
+            "events": events, "recalls": recalls}
 
 
 async def audit_record(store: Store, audit_id: str) -> dict[str, Any]:

@@ -53,6 +53,8 @@ async def advisory_holders(conn: AsyncConnection, lock_class: int) -> dict[int, 
     return {int(r[0]): str(r[2] or f"pid {r[1]}") for r in rows}
 
 
+#: The session-level advisory lock a schema migration holds (`migration_lock`).
+MIGRATION_LOCK_ID: Final = 7231010
 #: Milliseconds a session may sit idle inside a transaction before the server ends it.
 IDLE_IN_TRANSACTION_MS: Final = 60000
 LOCK_TIMEOUT: Final = "30s"
@@ -135,6 +137,21 @@ class PostgresRecorder(Recorder):
 
     async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
         await conn.execute(text(f"SELECT pg_advisory_xact_lock({ADVISORY_LOCK_IDS[lock]})"))
+
+    @asynccontextmanager
+    async def migration_lock(self, conn: AsyncConnection) -> AsyncIterator[None]:
+        """A session-level advisory lock: it outlives the transaction of each migration
+        (a transaction-level one would end with the first), and the server drops it
+        if the process dies. A second upgrader waits here, then finds nothing to do."""
+        await conn.execute(text(f"SELECT pg_advisory_lock({MIGRATION_LOCK_ID})"))
+        await conn.commit()
+        try:
+            yield
+        finally:
+            if conn.in_transaction():
+                await conn.rollback()
+            await conn.execute(text(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_ID})"))
+            await conn.commit()
 
     async def after_import(self, conn: AsyncConnection) -> None:
         await conn.execute(text(

@@ -66,6 +66,8 @@ PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL"
 TURN_TIMEOUT_S: Final = 30.0
 #: The turn file: the database's path plus this.
 TURN_SUFFIX: Final = "-turn"
+#: The lock file a schema migration holds: the database's path plus this.
+MIGRATE_SUFFIX: Final = "-migrate"
 _INSERT_EVENTS: Final = (f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
                          f"VALUES ({', '.join('?' for _ in EVENT_COLUMNS)})")
 
@@ -98,6 +100,23 @@ class SQLiteRecorder(Recorder):
 
     async def advisory_lock(self, conn: AsyncConnection, lock: WriteLock) -> None:
         return  # write transactions are serial: BEGIN IMMEDIATE holds the one write lock
+
+    @asynccontextmanager
+    async def migration_lock(self, conn: AsyncConnection) -> AsyncIterator[None]:
+        """An exclusive `flock` on a file beside the database (`-migrate`): each
+        migration's BEGIN IMMEDIATE serialises its statements, but a second upgrader
+        must also wait for the first to finish before it reads the revision."""
+        db = turn_path(self.url)
+        if db is None:  # in memory: one process only
+            yield
+            return
+        path = db[: -len(TURN_SUFFIX)] + MIGRATE_SUFFIX
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
 
     def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A write transaction, in turn when write turns are on."""

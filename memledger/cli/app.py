@@ -1,6 +1,7 @@
-"""The app commands: what an agent app calls (append, publish, get, recall, tasks).
+"""The app commands: what an agent app calls (append, publish, get, recall, history, tasks).
 
-`get`, `recall` and `tasks` are principal-scoped (`--as TENANT/USER`); `append` and
+`get`, `recall`, `history` and `tasks` are principal-scoped (`--as TENANT/USER`, and
+`--as-of` to read the past); `append` and
 `publish` take events in the wire format, one JSON object per line.
 """
 
@@ -28,7 +29,7 @@ from memledger.cli.common import (
 TITLE = "app commands (what agent apps call)"
 
 #: The principal's flag, for errors about the principal.
-AS_FLAG = {"principal": "--as"}
+AS_FLAG = {"principal": "--as", "as_of": "--as-of"}
 
 #: Lines appended together (one shared transaction) before their results are printed.
 APPEND_CHUNK = 1000
@@ -137,15 +138,28 @@ async def cmd_get(args: argparse.Namespace) -> int:
         ns = args.namespace.split("/")
         m = None
         if ns[:2] == [who.tenant, who.user]:  # another user's namespace: nothing to say
-            m = await who.get(ns[2:], args.key, task=args.task, session=args.session)
+            m = await who.get(ns[2:], args.key, task=args.task, session=args.session,
+                              as_of=args.as_of)
         out(m.to_dict() if m is not None else {"found": False})
+    return 0
+
+
+async def cmd_history(args: argparse.Namespace) -> int:
+    """Every version of a key the principal owns, oldest first."""
+    async with open_ledger(args) as ml:
+        who = ml.principal(args.as_)
+        ns = args.namespace.split("/")
+        versions = []
+        if ns[:2] == [who.tenant, who.user]:
+            versions = await who.history(ns[2:], args.key, as_of=args.as_of)
+        out({"versions": [v.to_dict() for v in versions]})
     return 0
 
 
 async def cmd_tasks(args: argparse.Namespace) -> int:
     """The principal's task summaries."""
     async with open_ledger(args) as ml:
-        tasks = await ml.principal(args.as_).tasks(include_closed=args.all)
+        tasks = await ml.principal(args.as_).tasks(include_closed=args.all, as_of=args.as_of)
         out({"tasks": [x.to_dict() for x in tasks]})
     return 0
 
@@ -159,7 +173,7 @@ async def cmd_recall(args: argparse.Namespace) -> int:
     async with open_ledger(args) as ml:
         got = await ml.principal(args.as_).recall(args.query, session=args.session,
                                                   task=args.task, budget=args.budget,
-                                                  limit=args.limit)
+                                                  limit=args.limit, as_of=args.as_of)
         out(got.to_dict())
     return 0
 
@@ -167,6 +181,9 @@ async def cmd_recall(args: argparse.Namespace) -> int:
 def _principal(p: argparse.ArgumentParser) -> None:
     p.add_argument("--as", dest="as_", required=True, metavar="TENANT/USER",
                    help="the authenticated principal")
+    p.add_argument("--as-of", metavar="TIME|position:N",
+                   help="read as the ledger held it then: an RFC 3339 time (by recording "
+                        "time) or a ledger position (docs/projections.md#as-of)")
 
 
 def add_commands(aud: Audience) -> None:
@@ -194,6 +211,12 @@ def add_commands(aud: Audience) -> None:
     r.add_argument("--query")
     r.add_argument("--budget", type=int)
     r.add_argument("--limit", type=int, default=20)
+
+    h = aud.command("history", "every version of a key, oldest first; forgotten ones "
+                               "redacted", cmd_history, flags=AS_FLAG)
+    _principal(h)
+    h.add_argument("--namespace", required=True, help="a/b/c")
+    h.add_argument("--key", required=True)
 
     tk = aud.command("tasks", "the principal's task summaries", cmd_tasks, flags=AS_FLAG)
     _principal(tk)

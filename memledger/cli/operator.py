@@ -1,5 +1,5 @@
 """The operator commands: status, project, sweep, replay rebuild|retry-quarantined|audit|verify,
-shards show|set, backup, restore, vault status|encrypt.
+db upgrade|current|check|downgrade, shards show|set, backup, restore, vault status|encrypt.
 
 Whoever runs them holds the database credentials, so they take no `--as` (some take
 `--tenant` to narrow). Each opens the store, calls one function of `projections` or
@@ -10,6 +10,7 @@ to stderr (docs/operations.md).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ledger.errors import ValidationError
@@ -110,14 +111,19 @@ async def cmd_retry_quarantined(args: argparse.Namespace) -> int:
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     """Print the history of one subject, or one recall audit record."""
-    from replay.audit import audit, audit_record
+    from replay.audit import audit, audit_as_of, audit_record
 
     if (args.namespace is None) != (args.key is None):
         say("error: --namespace and --key go together")
         return 2
+    if args.as_of is not None and args.memory_id is None:
+        say("error: --as-of goes with --memory-id")
+        return 2
     store = open_store(args)
     try:
-        if args.audit_id is not None:
+        if args.as_of is not None:
+            out(await audit_as_of(store, args.memory_id, args.as_of, tenant=args.tenant))
+        elif args.audit_id is not None:
             out(await audit_record(store, args.audit_id))
         else:
             ns = args.namespace.split("/") if args.namespace else None
@@ -275,6 +281,55 @@ def _add_shards(aud: Audience) -> None:
                     "every view (docs/workers.md#shards)"), cmd_shards_set)
     st.add_argument("count", type=int, help="shards per projection (1 to 1024; default 16)")
     st.add_argument("--quiet", action="store_true", help="no progress on stderr")
+async def cmd_db(args: argparse.Namespace) -> int:
+    """Schema migrations: upgrade [--sql], current, check, downgrade."""
+    from memledger import migrations
+
+    url = args.db
+    if args.action == "upgrade" and args.sql:
+        # The script itself on stdout (to read, or to pipe into psql), not JSON.
+        sys.stdout.write(migrations.upgrade_sql(url, args.revision, args.start))
+        return 0
+    if args.action == "current":
+        out(await migrations.current(url))
+        return 0
+    if args.action == "check":
+        res = await migrations.check(url)
+        out(res)
+        if not res["ok"]:
+            say(f"db check failed: {len(res['differences'])} difference(s) between the "
+                "models and the database")
+            return 1
+        return 0
+    if args.action == "upgrade":
+        res = await migrations.upgrade(url, args.revision)
+    else:
+        res = await migrations.downgrade(url, args.revision)
+    out(res)
+    say(f"database at revision {res['to']} ({len(res['steps'])} step(s) applied)")
+    return 0
+
+
+def _add_db(aud: Audience) -> None:
+    db = aud.command("db", "schema migrations: upgrade, current, check, downgrade "
+                           "(docs/operations.md#upgrading-schema-migrations)")
+    actions = db.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = handles(actions.add_parser(
+        "upgrade", help="upgrade the database to the head revision (or --revision); a "
+                        "database made before migrations is recognised and stamped"), cmd_db)
+    up.add_argument("--revision", default="head", help="target revision (default head)")
+    up.add_argument("--sql", action="store_true",
+                    help="print the SQL script for the database's dialect instead of running "
+                         "it (from an empty database, or from --from)")
+    up.add_argument("--from", dest="start", metavar="REVISION",
+                    help="with --sql: the revision the database is at")
+    handles(actions.add_parser("current", help="the database's revision and the head"), cmd_db)
+    handles(actions.add_parser(
+        "check", help="do the models and the database agree? exit 1 on any difference"), cmd_db)
+    dn = handles(actions.add_parser(
+        "downgrade", help="step back to --revision (default: one step), where each step "
+                          "can go back"), cmd_db)
+    dn.add_argument("--revision", default="-1", help="target revision (default -1: one step)")
 
 
 def _add_replay(aud: Audience) -> None:
@@ -304,7 +359,8 @@ def _add_replay(aud: Audience) -> None:
 
     au = handles(actions.add_parser(
         "audit", help="the history of a memory, key or task, and the recalls that used it"),
-        cmd_audit, {"namespace": "--namespace", "tenant": "--tenant", "audit_id": "--audit-id"})
+        cmd_audit, {"namespace": "--namespace", "tenant": "--tenant", "audit_id": "--audit-id",
+                    "as_of": "--as-of"})
     target = au.add_mutually_exclusive_group(required=True)
     target.add_argument("--memory-id")
     target.add_argument("--namespace", help="a/b/c (with --key)")
@@ -312,6 +368,9 @@ def _add_replay(aud: Audience) -> None:
     target.add_argument("--audit-id", help="show one recall audit record")
     au.add_argument("--key", help="the key within --namespace")
     au.add_argument("--tenant", help="only this tenant")
+    au.add_argument("--as-of", metavar="TIME|position:N",
+                    help="with --memory-id: the history up to that instant, what was active "
+                         "then and which event made it so")
 
     ve = handles(actions.add_parser(
         "verify", help="hash chain, digests, positions, tombstones, and views against a "
@@ -336,6 +395,7 @@ def add_commands(aud: Audience) -> None:
                 cmd_sweep)
     _add_replay(aud)
     _add_shards(aud)
+    _add_db(aud)
 
     bk = aud.command("backup", "one consistent, portable, checksummed backup file, taken "
                                "online (.gz: compressed)", cmd_backup)

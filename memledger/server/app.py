@@ -326,6 +326,9 @@ def _parts(namespace: str) -> list[str]:
     return namespace.split("/") if namespace else []
 
 
+AsOf = Annotated[str | None, Query(
+    max_length=64, description="read as the ledger held it then: an RFC 3339 time (by "
+    "recording time) or position:N (docs/projections.md#as-of)")]
 Wait = Annotated[bool, Query(description="return once durable and readable (default); "
                                          "false: publish, or append without projecting")]
 
@@ -369,10 +372,10 @@ def _routes(metrics: Metrics) -> APIRouter:
                          namespace: Annotated[str, Query(
                              max_length=2048, description="below the user: a/b")] = "",
                          task: Annotated[str | None, Query(max_length=256)] = None,
-                         session: Annotated[str | None, Query(max_length=256)] = None
-                         ) -> dict[str, Any]:
+                         session: Annotated[str | None, Query(max_length=256)] = None,
+                         as_of: AsOf = None) -> dict[str, Any]:
         """The active value of a key (session beats task beats long-term), or 404."""
-        got = await u.get(_parts(namespace), key, task=task, session=session)
+        got = await u.get(_parts(namespace), key, task=task, session=session, as_of=as_of)
         if got is None:
             raise not_found()
         return got.to_dict()
@@ -387,12 +390,12 @@ def _routes(metrics: Metrics) -> APIRouter:
 
     @r.get("/v1/memories/{memory_id}/history", response_model=m.HistoryOut,
            tags=["memories"])
-    async def history(u: User, memory_id: str) -> dict[str, Any]:
+    async def history(u: User, memory_id: str, as_of: AsOf = None) -> dict[str, Any]:
         """Every version of the memory's key, oldest first; forgotten ones redacted."""
         got = await u.get_by_id(memory_id)
         if got is None:
             raise not_found()
-        versions = await u.history(list(got.namespace[2:]), got.key)
+        versions = await u.history(list(got.namespace[2:]), got.key, as_of=as_of)
         return {"versions": [v.to_dict() for v in versions]}
 
     async def forget(request: Request, u: User, ev: Event, target: dict[str, Any],
@@ -448,14 +451,16 @@ def _routes(metrics: Metrics) -> APIRouter:
         _own(u, body)
         started = time.perf_counter()
         got = await u.recall(body.query, session=body.session, task=body.task,
-                             budget=body.budget, limit=body.limit)
+                             budget=body.budget, limit=body.limit, as_of=body.as_of)
         metrics.recall.observe((), time.perf_counter() - started)
         return got.to_dict()
 
     @r.get("/v1/tasks", response_model=m.TasksOut, tags=["tasks"])
-    async def tasks(u: User, include_closed: bool = False) -> dict[str, Any]:
+    async def tasks(u: User, include_closed: bool = False, as_of: AsOf = None
+                    ) -> dict[str, Any]:
         """The principal's task summaries (open ones unless `include_closed`)."""
-        return {"tasks": [x.to_dict() for x in await u.tasks(include_closed=include_closed)]}
+        return {"tasks": [x.to_dict() for x in await u.tasks(include_closed=include_closed,
+                                                             as_of=as_of)]}
 
     @r.post("/v1/events", response_model=m.EventsOut, tags=["events"])
     async def post_events(request: Request, info: Identity,

@@ -80,6 +80,8 @@ class RecallIn(Owner):
     task: str | None = Field(default=None, min_length=1, max_length=256)
     budget: int | None = Field(default=None, ge=0, le=10_000_000)
     limit: int = Field(default=20, ge=1, le=500)
+    #: Recall as the ledger held it then: an RFC 3339 time or `position:N`.
+    as_of: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class VerifyIn(_In):

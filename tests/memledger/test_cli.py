@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
             "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys", "shards",
-            "vault"}
+            "vault", "history", "db"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None, module: bool = False,
@@ -66,9 +66,9 @@ def test_help_lists_the_commands_by_audience() -> None:
     assert proc.returncode == 0
     groups = _groups(proc.stdout.decode())
     assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE, server.TITLE]
-    assert groups[app.TITLE] == ["append", "publish", "get", "recall", "tasks"]
-    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "shards",
-                                      "backup", "restore", "vault"]
+    assert groups[app.TITLE] == ["append", "publish", "get", "recall", "history", "tasks"]
+    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "db", "backup",
+                                      "restore"]
     assert groups[workers.TITLE] == ["worker", "dead-letters"]
     assert groups[server.TITLE] == ["serve", "keys"]
     listed = [c for names in groups.values() for c in names]

@@ -287,6 +287,20 @@ def test_every_principal_route(served: tuple[Server, dict[str, str]]) -> None:
         assert u7.get(f"/v1/memories/{second['memory_id']}").status_code == 404
         assert u7.get("/v1/memories", params={"namespace": "preferences",
                                               "key": "reply_language"}).status_code == 404
+        # As of before the forget: there, version 2, redacted (docs/projections.md#as-of).
+        past = {"namespace": "preferences", "key": "reply_language",
+                "as_of": f"position:{second['position']}"}
+        then = u7.get("/v1/memories", params=past).json()
+        assert (then["version"], then["value"], then["redacted"]) == (2, None, True)
+        assert then["position"] == second["position"]
+        first_then = u7.get("/v1/memories", params={**past, "as_of": "position:1"}).json()
+        assert (first_then["version"], first_then["redacted"]) == (1, True)
+        rec = u7.post("/v1/recall", json={"query": "reply language",
+                                          "as_of": past["as_of"]}).json()
+        assert [(i["version"], i["value"]) for i in rec["items"]] == [(2, None)]
+        assert u7.get("/v1/tasks", params={"as_of": "position:1"}).json() == {"tasks": []}
+        bad = u7.get("/v1/memories", params={**past, "as_of": "yesterday"})
+        assert bad.status_code == 422 and "yesterday" not in bad.text
         d = u7.delete(f"/v1/memories/{sess['memory_id']}")
         assert d.status_code == 200 and d.json()["covered"] == [sess["memory_id"]]
         assert u7.delete(f"/v1/memories/{sess['memory_id']}").status_code == 404

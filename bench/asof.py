@@ -1,0 +1,175 @@
+"""As-of reads (`projections.asof`): a `get` and a `recall` of one user's memory as it was
+at a past instant, beside the same reads of the present in the same run.
+
+The ledger: user u7 with 10,000 events in its history (500 keys, each written once and
+corrected 19 times, source times spread over the history, then 25 of the keys forgotten,
+so redaction runs too), among 10,000 writes of 100 other users of the same tenant. All
+projected. Then, one by one, at random instants (a random `position:N`, or a random
+recording time: one in three):
+
+- `Principal.get(key, as_of=...)` of a random key: a read transaction, the instant, the
+  key's slot replayed from the ledger (writes, marks, tombstones) and resolved;
+- `Principal.recall(query, as_of=...)`: the user's whole memory at the instant resolved,
+  the candidates scored on demand (no index of the past), ranked and fitted;
+- baselines in the same run: the live `Principal.get` / `Principal.recall` of the same
+  key / query, and raw sqlite3 reading the key's write events up to the position (the
+  rows an as-of get must read at least).
+
+Targets: as-of get p99 < 20 ms; as-of recall p99 < 200 ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.common import (
+    at,
+    load_ledger,
+    main,
+    memory_write,
+    no_gc,
+    percentile,
+    raw_connect,
+    result,
+    say,
+    settle,
+    simple_writes,
+    size,
+    sqlite_url,
+    workdir,
+)
+from ledger import builders
+from ledger.builders import Source
+from ledger.events import Event, derive_memory_id, ns_path, slot_id
+from ledger.store import Store
+from memledger import MemoryLedger
+from projections.runner import Runner
+
+TENANT = "shop-a"
+USER = "u7"
+KEYS = 500
+FORGOTTEN = 25
+
+
+def history(n: int, seed: int = 23) -> list[Event]:
+    """u7's `n` events: `KEYS` keys, each written then corrected, in source order per key
+    but interleaved across keys; then forgets of `FORGOTTEN` keys."""
+    rng = random.Random(seed)
+    per_key = max(1, n // KEYS)
+    out: list[Event] = []
+    last: dict[str, str] = {}
+    for i in range(per_key * KEYS):
+        k = f"pref{i % KEYS}"
+        idem = f"h{i}"
+        value = {"choice": rng.choice(["java", "python", "go", "rust"]), "n": i}
+        out.append(memory_write(TENANT, USER, k, value, idem=idem, when=100_000 + i,
+                                source_id="C7", supersedes=last.get(k)))
+        last[k] = derive_memory_id(TENANT, idem)
+    for j in range(FORGOTTEN):
+        out.append(builders.forget_key(
+            tenant=TENANT, actor=USER, namespace=[TENANT, USER, "preferences"],
+            key=f"pref{j * (KEYS // FORGOTTEN)}", idempotency_key=f"f{j}",
+            source=Source("explicit_user_request", "C7", at(200_000 + j))))
+    return out
+
+
+async def time_calls(ml: MemoryLedger, calls: Sequence[tuple[str, str | None]], kind: str
+                     ) -> list[float]:
+    """Milliseconds per SDK call: (key or query, as_of or None for the present)."""
+    who = ml.principal(TENANT, USER)
+    out: list[float] = []
+    for arg, as_of in calls:
+        t0 = time.perf_counter_ns()
+        if kind == "get":
+            await who.get(["preferences"], arg, as_of=as_of)
+        else:
+            await who.recall(arg, as_of=as_of, limit=10)
+        out.append((time.perf_counter_ns() - t0) / 1e6)
+    return out
+
+
+def time_raw(db: Any, calls: Sequence[tuple[str, int]]) -> list[float]:
+    """Raw sqlite3: the key's write events up to the position, payloads decoded."""
+    import orjson
+
+    sql = ("SELECT position, order_key, memory_id, supersedes, suppressed, payload "
+           "FROM events WHERE slot = ? AND position <= ?")
+    out: list[float] = []
+    nsp = ns_path([TENANT, USER, "preferences"])
+    with contextlib.closing(raw_connect(db)) as conn:
+        for key, position in calls:
+            t0 = time.perf_counter_ns()
+            rows = conn.execute(sql, (slot_id(TENANT, nsp, key, "long", ""), position)
+                                ).fetchall()
+            _ = [orjson.loads(r[5]) for r in rows if r[5] is not None]
+            out.append((time.perf_counter_ns() - t0) / 1e6)
+    return out
+
+
+async def run() -> list[dict[str, Any]]:
+    """p50/p99 of as-of get and recall beside the live reads and raw sqlite3."""
+    n = size(10_000, 2_000)
+    gets = size(1_000, 200)
+    recalls = size(60, 15)
+    rng = random.Random(9)
+    with no_gc():
+        mine = history(n)
+        others = simple_writes(n, users=100, tenant=TENANT, seed=4)
+    # Interleave the other users' writes with u7's, so u7's history spans the ledger.
+    events: list[Event] = [e for pair in zip(mine, others, strict=False) for e in pair]
+    events += mine[len(others):] + others[len(mine):]
+    out: list[dict[str, Any]] = []
+    with workdir("asof") as d:
+        db = d / "ledger.db"
+        say(f"appending {len(events):,} events ({len(mine):,} in u7's history)")
+        await load_ledger(db, events, batch=500)
+        store = Store(sqlite_url(db))
+        try:
+            await Runner(store).catch_up()
+            async with store.read() as conn:
+                head = await store.head(conn)
+                times = [r[0] for r in (await conn.exec_driver_sql(
+                    "SELECT recorded_at FROM events ORDER BY position")).all()]
+        finally:
+            await store.close()
+
+        def instant() -> tuple[str, int]:
+            p = rng.randrange(head // 10, head + 1)
+            if rng.random() < 1 / 3:
+                return times[p - 1], p  # by recording time (a group shares one time)
+            return f"position:{p}", p
+
+        keyed = [(f"pref{rng.randrange(KEYS)}", *instant()) for _ in range(gets)]
+        queries = [(rng.choice(["pref12", "java", "which language do I prefer",
+                                "pref 3 choice"]), instant()[0]) for _ in range(recalls)]
+        settle()
+        async with MemoryLedger(sqlite_url(db)) as ml:
+            say(f"timing {gets:,} as-of gets and {recalls} as-of recalls")
+            g_then = await time_calls(ml, [(k, a) for k, a, _ in keyed], "get")
+            g_now = await time_calls(ml, [(k, None) for k, _, _ in keyed], "get")
+            r_then = await time_calls(ml, queries, "recall")
+            r_now = await time_calls(ml, [(q, None) for q, _ in queries], "recall")
+        raw = time_raw(db, [(k, p) for k, _, p in keyed])
+
+    size_note = f"{len(mine) // 1000}k events in u7's history, {len(events) // 1000}k in all"
+    for label, xs, base, target in (("get", g_then, g_now, 20.0),
+                                    ("recall", r_then, r_now, 200.0)):
+        p50, p99 = percentile(xs, 50), percentile(xs, 99)
+        out.append(result(f"as-of {label} p50 ({size_note})", p50, "ms",
+                          percentile(base, 50), "ms", f"baseline: live {label} p50"
+                          + (f"; raw sqlite3 slot read p50 {percentile(raw, 50):.2f} ms"
+                             if label == "get" else "")))
+        out.append(result(f"as-of {label} p99 ({size_note})", p99, "ms",
+                          percentile(base, 99), "ms", f"baseline: live {label} p99; "
+                          f"target p99 < {target:.0f} ms: "
+                          f"{'met' if p99 < target else 'MISSED'}"))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(run))

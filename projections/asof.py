@@ -1,0 +1,536 @@
+"""As-of reads: what the system believed at a past instant (docs/projections.md#as-of).
+
+An instant is a ledger *position*: the answer is the view as it would have been with the
+ledger holding exactly the events at positions 1..P. `position:N` names it directly; an
+RFC 3339 time T names the last position of the longest prefix of events recorded at or
+before T (`events.recorded_at`, the ledger's clock when the event was appended).
+
+Recording time, not source time, is the axis: "what did the system believe on 21
+September" is about what the ledger held then. Source time says when something happened
+at the source, and an event can arrive long after it (a late extraction, a backfill, a
+system of record replaying its log): by source time such an event would change the past
+answer after the fact, and two reads of "the same past" a day apart would disagree.
+By recording time the past is fixed once recorded. Inside the prefix, which version wins
+is still decided by source order (R17), exactly as the live views decide it.
+
+The answer is computed on demand, per principal, from the ledger: the principal's slots'
+writes up to P, the marks aimed at them, and the tombstones, resolved by the live
+projection's own pure functions (`projections.memory.resolve_slot`,
+`projections.tasks.summarize`) and the one forget rule (`ledger.forgets.covers`). Marks
+come from the memories view's `mem_marks` (complete up to its checkpoint; the positions
+after it are read from the ledger), so no view stores the past.
+
+Forgotten content stays forgotten in the past: a forget recorded up to P makes its
+items forgotten then, as the live view would have; a forget recorded *after* P does not
+change what was believed, but the item is returned redacted (`"redacted": true`: its
+id, version, status and source, never its value, scope or expiry) and a task's covered
+notes are withheld. Expiry is judged at the instant (T, or the recording time of
+position N). Principal scoping is the same as for every read (R24).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any, Final
+
+import numpy as np
+import orjson
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.errors import ValidationError
+from ledger.events import MEMORY_WRITES, encode_json, ns_path, parse_rfc3339, slot_id, to_us
+from ledger.forgets import Coordinates, Tombstone, covers
+from ledger.recorder import STORED_COLUMNS
+from ledger.records import stored_from_row
+from ledger.store import Store
+from projections import reads
+from projections.budget import fit
+from projections.candidates import KEY_NAMED, Candidate
+from projections.embedding import Embedder
+from projections.memory import (
+    WRITE_COLUMNS,
+    Mark,
+    WriteFact,
+    marks_of,
+    resolve_slot,
+    write_fact_of_row,
+)
+from projections.principal_index import PrincipalIndex, norm_key
+from projections.ranking import rank, relevant_tasks
+from projections.recall_audit import write_audit
+from projections.sql import chunks, prefix_match
+from projections.tasks import Note, note_body, summarize
+from projections.vectors import current_embedder, memory_text
+
+POSITION_PREFIX: Final = "position:"
+_POSITION = re.compile(r"position:(0|[1-9][0-9]{0,17})")
+#: Event types that set marks on a memory (`projections.memory.marks_of`).
+_MARK_TYPES: Final = ("memory.superseded", "memory.confirmed")
+#: The live projection that keeps `mem_marks`.
+_MEMORIES: Final = "memories"
+#: Fields of a memory a redaction hides: its content, never its envelope.
+REDACTED_FIELDS: Final = ("value", "scope", "expires_at", "session_id")
+
+
+@dataclass(frozen=True, slots=True)
+class Instant:
+    """A past moment of the ledger: it held exactly positions 1..`position`."""
+
+    position: int
+    #: Expiry is judged at this time (microseconds since the epoch).
+    now_us: int
+    #: What was asked: an RFC 3339 time or `position:N`.
+    asked: str
+    #: The position the memories view (`mem_marks`) had applied in the same snapshot.
+    views_at: int = 0
+
+    def wire(self) -> dict[str, Any]:
+        """What an answer reports of its instant."""
+        return {"as_of": self.asked, "position": self.position}
+
+
+def check_as_of(text: str) -> str:
+    """Validate an `as_of` value (RFC 3339 with an offset, or `position:N`)."""
+    if _POSITION.fullmatch(text):
+        return text
+    try:
+        parse_rfc3339(text)
+    except ValueError:
+        raise ValidationError("as_of", "give an RFC 3339 time with an offset "
+                              "(2026-09-21T00:00:00Z) or position:N") from None
+    return text
+
+
+def _utc_text(us: int) -> str:
+    """A time in `recorded_at`'s own form, so the two compare as text."""
+    return datetime.fromtimestamp(us / 1e6, UTC).replace(
+        microsecond=us % 1_000_000).isoformat(timespec="microseconds")
+
+
+async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
+    """The instant an `as_of` value names, in `conn`'s snapshot of the ledger (one
+    statement: the position, its time, and how far the memories view has come)."""
+    check_as_of(as_of)
+    ev, cp = t.events.c, t.checkpoints.c
+    views_at = select(cp.position).where(cp.name == _MEMORIES).scalar_subquery()
+    if as_of.startswith(POSITION_PREFIX):
+        # The last event at or before N: N itself, or the head when N is past it.
+        last = select(ev.position, ev.recorded_at).where(
+            ev.position <= int(as_of[len(POSITION_PREFIX):])).order_by(
+            ev.position.desc()).limit(1).subquery()
+        row = (await conn.execute(select(
+            select(last.c.position).scalar_subquery(),
+            select(last.c.recorded_at).scalar_subquery(), views_at))).one()
+        at = row[1]
+        return Instant(int(row[0] or 0), to_us(parse_rfc3339(at)) if at else 0, as_of,
+                       int(row[2] or 0))
+    now_us = to_us(parse_rfc3339(as_of))
+    # The longest prefix recorded by then: the first event recorded later ends it.
+    row = (await conn.execute(select(
+        select(func.min(ev.position)).where(ev.recorded_at > _utc_text(now_us))
+        .scalar_subquery(),
+        select(func.max(ev.position)).scalar_subquery(), views_at))).one()
+    position = int(row[1] or 0) if row[0] is None else int(row[0]) - 1
+    return Instant(position, now_us, as_of, int(row[2] or 0))
+
+
+# -- memories ---------------------------------------------------------------------------
+
+async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], instant: Instant,
+                 ids_sql: Any = None) -> list[Mark]:
+    """The marks aimed at `ids` set by events at positions up to the instant; `ids_sql`,
+    a SELECT of those ids, saves sending many of them as parameters."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    upto, done = instant.position, instant.views_at
+    mk, ev = t.mem_marks.c, t.events.c
+    out: list[Mark] = []
+    parts = [ids_sql] if ids_sql is not None and len(wanted) > _MANY else chunks(wanted)
+    for chunk in parts:
+        q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
+                                      mk.position <= min(upto, done))
+        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
+    if upto > done:  # positions the view has not applied yet: from the ledger itself
+        q = select(*STORED_COLUMNS).where(
+            ev.position > done, ev.position <= upto, ev.tenant == tenant,
+            or_(ev.type.in_(_MARK_TYPES),
+                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
+        keep = set(wanted)
+        for r in (await conn.execute(q)).all():
+            out.extend(m for m in marks_of(stored_from_row(r)) if m.target in keep)
+    return out
+
+
+#: What `write_fact_of_row` reads as the payload while a slot is resolved: the envelope
+#: decides versions and statuses; the content is read afterwards, for the rows shown
+#: (`fill`), so a user's long history is not decoded on every as-of read.
+_ENVELOPE_ONLY: Final = b'{"data":{}}'
+
+
+def _fact(r: Sequence[Any]) -> WriteFact:
+    """A write fact from a row of `WRITE_COLUMNS` less the payload: the envelope, and
+    `suppressed` as the event's own flag (an erased payload is content withheld now,
+    not a suppression then)."""
+    return write_fact_of_row((*r, _ENVELOPE_ONLY))
+
+
+async def fill(conn: AsyncConnection, rows: Sequence[SimpleNamespace]) -> None:
+    """Read the content of rows that show it (not forgotten, not redacted) from their
+    events' payloads: value, text, scope, expiry and session, as the view holds them."""
+    want = {r.position: r for r in rows if r.status != "forgotten" and not r.redacted}
+    ev = t.events.c
+    for chunk in chunks(sorted(want)):
+        q = select(ev.position, ev.payload).where(ev.position.in_(chunk))
+        for position, payload in (await conn.execute(q)).all():
+            if payload is None:
+                continue
+            d = orjson.loads(payload)["data"]
+            r = want[int(position)]
+            r.value = encode_json(d["value"]) if "value" in d else None
+            r.text, r.scope, r.session_id = d.get("text"), d.get("scope"), d.get("session_id")
+            r.expires_at = d.get("expires_at")
+            r.expires_us = to_us(parse_rfc3339(r.expires_at)) if r.expires_at else None
+
+
+#: More ids than this are matched by a subquery rather than sent as parameters.
+_MANY: Final = 400
+
+
+class _Reach:
+    """The tombstones that can reach a slot, found by kind instead of by trying each
+    (a principal's recall resolves every slot it has against every tombstone)."""
+
+    def __init__(self, tombs: Sequence[Tombstone]) -> None:
+        self.by_id: dict[str, list[Tombstone]] = {}
+        self.by_key: dict[tuple[str | None, str | None], list[Tombstone]] = {}
+        self.by_task: dict[str | None, list[Tombstone]] = {}
+        self.prefixes: list[Tombstone] = []
+        for ts in tombs:
+            if ts.kind == "memory_id":
+                self.by_id.setdefault(ts.memory_id or "", []).append(ts)
+            elif ts.kind == "key":
+                self.by_key.setdefault((ts.ns_path, ts.mkey), []).append(ts)
+            elif ts.kind == "task":
+                self.by_task.setdefault(ts.task_key, []).append(ts)
+            else:
+                self.prefixes.append(ts)
+
+    def slot(self, ws: Sequence[WriteFact]) -> list[Tombstone]:
+        """Every tombstone that may cover a write of this slot (the rule then decides)."""
+        w = ws[0]
+        out = [ts for x in ws for ts in self.by_id.get(x.memory_id, ())]
+        out += self.by_key.get((w.ns_path, w.key), [])
+        if w.task_key is not None:
+            out += self.by_task.get(w.task_key, [])
+        out += [ts for ts in self.prefixes if w.ns_path.startswith(ts.ns_path or "\x00")]
+        return out
+
+
+async def _tombstones(conn: AsyncConnection, tenant: str) -> list[Tombstone]:
+    ts = t.tombstones.c
+    rows = (await conn.execute(select(t.tombstones).where(ts.tenant == tenant)
+                               .order_by(ts.position))).all()
+    return [Tombstone(r.position, r.tenant, r.kind, bytes(r.order_key), r.memory_id,
+                      r.ns_path, r.mkey, r.task_key) for r in rows]
+
+
+async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Instant,
+                      *conds: Any) -> list[SimpleNamespace]:
+    """Every version, as of the instant, of the principal's slots whose writes match
+    `conds` (SQL on `events`), resolved as the memories view resolves them; each row
+    has the `mem_versions` columns plus `redacted`. Content columns are empty until
+    `fill` reads them for the rows a caller shows."""
+    ev = t.events.c
+    where = (ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
+             ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix),
+             *_prefix_range(conn, ev.ns_path, who.prefix), *conds)
+    q = select(*[ev[c] for c in WRITE_COLUMNS[:-1]], ev.payload.is_(None)).where(*where)
+    rows = (await conn.execute(q)).all()
+    if not rows:
+        return []
+    facts = [_fact(r[:-1]) for r in rows]
+    erased = {f.memory_id for f, r in zip(facts, rows, strict=True) if r[-1]}
+    marks = await _marks(conn, who.tenant, (f.memory_id for f in facts), instant,
+                         select(ev.memory_id).where(*where))
+    vias = {m.via_candidate for m in marks if m.via_candidate}
+    confirmed = {m.target for m in await _marks(conn, who.tenant, vias, instant)
+                 if m.kind == "confirmed"}
+    reach = _Reach(await _tombstones(conn, who.tenant))
+    by_slot: dict[str, list[WriteFact]] = {}
+    for f in facts:
+        by_slot.setdefault(f.slot, []).append(f)
+    by_target: dict[str, list[Mark]] = {}
+    for m in marks:
+        by_target.setdefault(m.target, []).append(m)
+    out: list[SimpleNamespace] = []
+    for slot in sorted(by_slot):
+        ws = by_slot[slot]
+        ms = [m for w in ws for m in by_target.get(w.memory_id, ())]
+        tombs = reach.slot(ws)
+        past = [ts for ts in tombs if ts.position <= instant.position]
+        for row in resolve_slot(ws, ms, confirmed, past):
+            coords = Coordinates(row["tenant"], row["order_key"], row["memory_id"],
+                                 row["ns_path"], row["mkey"], row["task_key"])
+            hidden = row["memory_id"] in erased or any(covers(ts, coords) for ts in tombs)
+            if hidden:
+                row.update(dict.fromkeys(REDACTED_FIELDS), text=None, expires_us=None)
+            out.append(SimpleNamespace(**row, redacted=hidden))
+    return out
+
+
+def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
+    """`projections.sql.prefix_range` for a connection: on SQLite (bytewise TEXT) a
+    range an index on `(tenant, ns_path, ...)` serves; nothing elsewhere."""
+    if conn.dialect.name != "sqlite":
+        return []
+    return [col >= prefix, col < prefix[:-1] + "\x20"]
+
+
+def _live(r: SimpleNamespace, now_us: int) -> bool:
+    return r.status == "active" and (r.expires_us is None or r.expires_us > now_us)
+
+
+def _item(r: SimpleNamespace) -> dict[str, Any]:
+    item = reads.memory_item(r)
+    if r.redacted:
+        item["redacted"] = True
+    return item
+
+
+async def get(conn: AsyncConnection, who: reads.Principal, namespace: list[str], key: str, *,
+              instant: Instant, task: str | None = None, session: str | None = None
+              ) -> dict[str, Any]:
+    """`reads.get` as of the instant: session beats task beats long-term."""
+    if not who.owns(namespace):
+        return {"found": False}
+    nsp = ns_path(namespace)
+    slots = [slot_id(who.tenant, nsp, key, "long", "")]
+    if task is not None:
+        slots.append(slot_id(who.tenant, nsp, key, "task", task))
+    if session is not None:
+        slots.append(slot_id(who.tenant, nsp, key, "session", session))
+    rows = [r for r in await memory_rows(conn, who, instant, t.events.c.slot.in_(slots))
+            if r.status == "active"]
+    await fill(conn, rows)
+    rows = [r for r in rows if _live(r, instant.now_us)]
+    if not rows:
+        return {"found": False}
+    best = min(rows, key=lambda r: reads.LAYER_RANK[r.layer])
+    return {"found": True, **_item(best)}
+
+
+async def history(conn: AsyncConnection, who: reads.Principal, namespace: list[str], key: str,
+                  *, instant: Instant) -> list[dict[str, Any]]:
+    """`reads.history` as of the instant: every version then, oldest first; forgotten
+    ones (then) as `{"status": "forgotten", "redacted": true}`, ones forgotten since
+    redacted with the status they had."""
+    if not who.owns(namespace):
+        return []
+    ev = t.events.c
+    rows = await memory_rows(conn, who, instant, ev.ns_path == ns_path(namespace),
+                             ev.mkey == key)
+    await fill(conn, rows)
+    rows.sort(key=lambda r: (r.layer, r.task_key or "", r.session_id or "", r.version))
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        item = _item(r)
+        if r.status == "forgotten":
+            item.update(status="forgotten", value=None, redacted=True)
+        item["superseded_by"] = r.superseded_by
+        out.append(item)
+    return out
+
+
+async def active_memories(conn: AsyncConnection, who: reads.Principal, *, instant: Instant,
+                          task: str | None = None, session: str | None = None
+                          ) -> list[SimpleNamespace]:
+    """`reads.active_memories` as of the instant (long-term, the task's, the session's)."""
+    rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
+    await fill(conn, rows)
+    return [r for r in rows if _live(r, instant.now_us) and (
+        r.layer == "long" or (r.layer == "task" and r.task_key == task and task is not None)
+        or (r.layer == "session" and session is not None and r.session_id == session))]
+
+
+# -- tasks ------------------------------------------------------------------------------
+
+async def tasks(conn: AsyncConnection, who: reads.Principal, *, instant: Instant,
+                include_closed: bool = False) -> list[dict[str, Any]]:
+    """`reads.tasks` as of the instant: the principal's tasks opened by then, each
+    summarised from its notes recorded by then. Notes covered by a later forget are
+    withheld (`"redacted": true` on the summary); a task covered as a whole by a later
+    forget shows only its key and status."""
+    ev = t.events.c
+    owned = select(ev.task_key).where(
+        ev.tenant == who.tenant, ev.type == "task.opened", ev.position <= instant.position,
+        prefix_match(ev.ns_path, who.prefix))
+    q = select(*STORED_COLUMNS).where(
+        ev.tenant == who.tenant, ev.position <= instant.position,
+        ev.type.in_(("task.opened", "task.noted", "task.closed", "task.purged")),
+        ev.task_key.in_(owned)).order_by(ev.position)
+    by_task: dict[str, list[Any]] = {}
+    for r in (await conn.execute(q)).all():
+        se = stored_from_row(r)
+        assert se.task_key is not None
+        by_task.setdefault(se.task_key, []).append(se)
+    tombs = await _tombstones(conn, who.tenant)
+    past = [ts for ts in tombs if ts.position <= instant.position]
+    out: list[dict[str, Any]] = []
+    for task_key in sorted(by_task):
+        events = by_task[task_key]
+        owner = next(se.ns_path for se in events if se.type == "task.opened")
+        withheld = 0
+        notes: list[Note] = []
+        for se in events:
+            body = note_body(se)
+            coords = Coordinates(se.tenant, se.order_key, ns_path=owner, task_key=task_key)
+            if any(covers(ts, coords) for ts in past):
+                pass  # forgotten by then: `summarize` leaves it out, as the view did
+            elif body is None and se.suppressed:
+                pass  # recorded without content: never part of the summary
+            elif body is None or any(covers(ts, coords) for ts in tombs):
+                withheld += 1  # forgotten or erased since: not shown, not undone
+                body = None
+            notes.append(Note(se.position, se.tenant, task_key, se.type, se.order_key, body))
+        # The task as a whole, whatever the order: what `reads.tasks` hides.
+        whole = Coordinates(who.tenant, ns_path=owner, task_key=task_key)
+        if any(covers(ts, whole) for ts in past):
+            continue  # forgotten or purged by then: gone then too
+        row = summarize(who.tenant, task_key, owner, notes, past)
+        if row["purged"] or (not include_closed and row["status"] != "open"):
+            continue
+        summary: dict[str, Any] = orjson.loads(row["summary"])
+        if any(covers(ts, whole) for ts in tombs):
+            summary = {"task_key": task_key, "status": row["status"], "redacted": True}
+        elif withheld:
+            summary["redacted"] = True
+        out.append(summary)
+    return out
+
+
+# -- recall -----------------------------------------------------------------------------
+
+def _relevance(rows: Sequence[SimpleNamespace], query: str | None,
+               qvec: Any, texts_vecs: Any) -> dict[str, Candidate]:
+    """Recall's candidates over the instant's rows: exact key, a key the query names,
+    then cosine similarity of the memory's text (a redacted one: its key alone)."""
+    if query is None:
+        return {r.memory_id: Candidate(1.0, "in scope") for r in rows}
+    words = norm_key(query).split()
+    whole = " ".join(words)
+    phrases = {" ".join(words[s:s + n]) for n in range(1, min(len(words), 6) + 1)
+               for s in range(len(words) - n + 1)}
+    phrases = {p for p in phrases if p != whole and (" " in p or len(p) >= 4)}
+    sims = texts_vecs @ qvec if len(rows) else np.zeros(0)
+    out: dict[str, Candidate] = {}
+    for r, sim in zip(rows, sims, strict=True):
+        k = norm_key(r.mkey)
+        if k == whole:
+            out[r.memory_id] = Candidate(1.0, "exact key match")
+        elif k in phrases and float(sim) < KEY_NAMED:
+            out[r.memory_id] = Candidate(KEY_NAMED, "the query names its key")
+        else:
+            out[r.memory_id] = Candidate(float(sim), "semantic match")
+    return out
+
+
+async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
+                 session: str | None, task: str | None, budget: int | None, limit: int,
+                 now_us: int) -> dict[str, Any]:
+    """`projections.recall.recall` as of the instant: the same ranking, overrides,
+    budget and task matching over what the principal's memory held then, scored on
+    demand (no index of the past is kept). The audit record (R25) is written as for
+    every recall, at `now_us`: ids, versions, scores and reasons of what was returned."""
+    who = reads.Principal.parse(principal)
+    await store.open()
+    emb = current_embedder()
+    qtext = (query or "").strip() or None
+    qvec = emb.embed([qtext])[0] if qtext else None
+    async with store.read() as conn:
+        instant = await resolve(conn, as_of)
+        rows = await active_memories(conn, who, instant=instant, task=task, session=session)
+        open_tasks = await tasks(conn, who, instant=instant)
+    vecs = (emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
+            if qvec is not None and rows else None)
+    # `rank` drops long-term memories below `MIN_RELEVANCE` when there is a query.
+    items = rank(rows, _relevance(rows, qtext, qvec, vecs), qtext is not None)
+    chosen = relevant_tasks(open_tasks, _no_index(emb), emb, qtext, qvec, task)
+    picked_tasks, picked, used = fit(chosen, items, budget, limit)
+    redacted = {r.memory_id for r in rows if r.redacted}
+    for item in picked:
+        if item["memory_id"] in redacted:
+            item["redacted"] = True
+    audit_id = await write_audit(store, who, qtext, picked, picked_tasks, now_us)
+    return {"items": picked, "tasks": picked_tasks, "audit_id": audit_id, "tokens": used,
+            "budget": budget, **instant.wire()}
+
+
+def _no_index(emb: Embedder) -> PrincipalIndex:
+    """An index that holds nothing: `relevant_tasks` then embeds each task's summary as
+    it was at the instant (no vector of the past is kept)."""
+    zero = np.zeros((emb.dim, 0), dtype=np.float32)
+    return PrincipalIndex(
+        position=0, pending=None, model=emb.name, dim=emb.dim, columns=zero, n=0,
+        alive=np.zeros(0, dtype=np.bool_), ids=[], keys=[], orders=[], row_of={},
+        key_rows={}, groups={}, task_ids=[], task_matrix=np.zeros((0, emb.dim), np.float32))
+
+
+# -- audit ------------------------------------------------------------------------------
+
+async def explain_memory(conn: AsyncConnection, tenant: str, memory_id: str,
+                         instant: Instant) -> dict[str, Any] | None:
+    """For `replay audit --as-of` (an operator read): the memory's version and status at
+    the instant, the version of its slot that was active then, and the event that made
+    each so. None if the memory was not written by then."""
+    ev = t.events.c
+    first = (await conn.execute(select(ev.ns_path, ev.slot).where(
+        ev.tenant == tenant, ev.memory_id == memory_id, ev.type.in_(sorted(MEMORY_WRITES)),
+        ev.position <= instant.position).order_by(ev.position).limit(1))).first()
+    if first is None or first.ns_path is None:
+        return None
+    parts = first.ns_path.split("\x1f")
+    owner = reads.Principal(parts[0], parts[1])
+    rows = await memory_rows(conn, owner, instant, ev.slot == first.slot)
+    mine = next(r for r in rows if r.memory_id == memory_id)
+    marks = await _marks(conn, tenant, [memory_id], instant)
+    tombs = [ts for ts in await _tombstones(conn, tenant) if ts.position <= instant.position]
+
+    def made(r: SimpleNamespace) -> dict[str, Any]:
+        """The event that gave the row its status at the instant."""
+        if r.status == "forgotten":
+            coords = Coordinates(r.tenant, r.order_key, r.memory_id, r.ns_path, r.mkey,
+                                 r.task_key)
+            hit = [ts.position for ts in tombs if covers(ts, coords)]
+            return {"position": min(hit) if hit else r.position,
+                    "why": "covered by this forget" if hit else "suppressed when recorded"}
+        if r.status == "superseded":
+            explicit = [m for m in marks if m.kind == "superseded" and m.target == r.memory_id
+                        and m.position <= instant.position]
+            if r.superseded_by is not None:
+                newer = [x.position for x in rows if x.memory_id == r.superseded_by]
+                if newer:
+                    return {"position": newer[0], "why": "superseded by this write"}
+            if explicit:
+                return {"position": min(m.position for m in explicit),
+                        "why": "superseded by this event"}
+        confirmed = [m.position for m in marks if m.kind == "confirmed"
+                     and m.target == r.memory_id and m.position <= instant.position]
+        if r.candidate and confirmed and r.status == "active":
+            return {"position": min(confirmed), "why": "confirmed by this event"}
+        return {"position": r.position, "why": "written by this event"}
+
+    def brief(r: SimpleNamespace) -> dict[str, Any]:
+        return {"memory_id": r.memory_id, "version": r.version, "status": r.status,
+                "layer": r.layer, "redacted": r.redacted, "made_by": made(r)}
+
+    await fill(conn, [r for r in rows if r.status == "active"])
+    active = [r for r in rows if _live(r, instant.now_us)]
+    return {"memory": brief(mine), "active": brief(active[0]) if active else None}
