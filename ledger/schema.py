@@ -34,7 +34,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0003_events_recorded_at"
+SCHEMA_REVISION: Final = "0004_shard_checkpoints"
 
 metadata = MetaData()
 

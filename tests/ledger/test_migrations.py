@@ -177,7 +177,9 @@ async def test_two_upgraders_never_overlap(baseline_url: str) -> None:
     the revisions, the other waits and finds nothing left to do."""
     a, b = await asyncio.gather(migrations.upgrade(baseline_url),
                                 migrations.upgrade(baseline_url))
-    assert sorted([len(a["steps"]), len(b["steps"])]) == [0, 2]
+    after_baseline = [r.revision for r in migrations.script().walk_revisions(
+        base=migrations.BASELINE, head="heads") if r.revision != migrations.BASELINE]
+    assert sorted([len(a["steps"]), len(b["steps"])]) == [0, len(after_baseline)]
     assert (await migrations.check(baseline_url))["ok"]
 
 
