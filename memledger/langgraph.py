@@ -28,6 +28,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 import orjson
+import structlog
 from langgraph.store.base import (
     BaseStore,
     GetOp,
@@ -56,8 +57,11 @@ from ledger.validation import MAX_ID_CHARS, MAX_NS_PART_CHARS, MAX_TEXT_CHARS
 from memledger._ledger import MemoryLedger
 from memledger.results import MemoryVersion
 from projections import reads, store_reads
+from projections.runner import Runner
+from projections.views import MemoryProjection
 
 T = TypeVar("T")
+log = structlog.get_logger("memledger.langgraph")
 
 #: memledger namespaces have at most 8 parts; the first is the tenant.
 MAX_LABELS = 7
@@ -135,11 +139,54 @@ def _cosine(q: np.ndarray[Any, Any], m: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return out
 
 
+#: How long the views a put does not wait for may trail it: puts within this window
+#: share one catch-up (its projection transactions), off the callers' time.
+BEHIND_DELAY_S = 0.05
+
+
+class _Behind:
+    """The views a put does not wait for (tasks, erasure, vectors), caught up on the
+    store's loop shortly after it returns: one catch-up at a time, `BEHIND_DELAY_S`
+    after the first put it serves, and one more if puts arrived while it ran."""
+
+    def __init__(self, ml: MemoryLedger) -> None:
+        self.ml = ml
+        self.task: asyncio.Task[None] | None = None
+        self.again = False
+
+    def kick(self) -> None:
+        """Catch the views up soon (on the running loop, the store's)."""
+        if self.task is None or self.task.done():
+            self.again = False
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        else:
+            self.again = True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(BEHIND_DELAY_S)
+            try:
+                await self.ml.runner.catch_up()
+            except Exception as e:  # noqa: BLE001 - the next put, delete or close retries
+                log.warning("langgraph_views_catch_up_failed", error=type(e).__name__)
+                return
+            if not self.again:
+                return
+            self.again = False
+
+    async def close(self) -> None:
+        """Finish the catch-up under way, then release the ledger."""
+        if self.task is not None and not self.task.done():
+            with contextlib.suppress(Exception):
+                await self.task
+        await self.ml.close()
+
+
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-              ml: MemoryLedger, tmpdir: str | None) -> None:
+              behind: _Behind, tmpdir: str | None) -> None:
     if loop.is_running():
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(ml.close(), loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(behind.close(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         if thread is not threading.current_thread():
             thread.join(timeout=30)
@@ -192,6 +239,9 @@ class MemledgerStore(BaseStore):
         self._last_us = 0
         self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
         self._ml = MemoryLedger(url)
+        #: What a put waits for: the memories view, all the store's reads look at.
+        self._readable = Runner(self._ml.store, [MemoryProjection()])
+        self._behind = _Behind(self._ml)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
         self._loop = asyncio.new_event_loop()
@@ -201,7 +251,7 @@ class MemledgerStore(BaseStore):
         self._sweeper: threading.Thread | None = None
         self._sweep_stop = threading.Event()
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread,
-                                           self._ml, self._tmpdir)
+                                           self._behind, self._tmpdir)
 
     # -- life cycle --------------------------------------------------------------------
     @classmethod
@@ -242,10 +292,14 @@ class MemledgerStore(BaseStore):
 
     # -- BaseStore ---------------------------------------------------------------------
     def batch(self, ops: Iterable[Op]) -> list[Result]:
-        return self._call(self._batch(list(ops)))
+        ops = list(ops)
+        got = self._read_now(ops)
+        return got if got is not None else self._call(self._batch(ops))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        return await self._acall(self._batch(list(ops)))
+        ops = list(ops)
+        got = self._read_now(ops)
+        return got if got is not None else await self._acall(self._batch(ops))
 
     # -- the mapping -------------------------------------------------------------------
     def _ns(self, namespace: Sequence[str]) -> list[str]:
@@ -284,12 +338,108 @@ class MemledgerStore(BaseStore):
         async with self._gate:
             return await self._batch_now(ops)
 
-    async def _batch_now(self, ops: list[Op]) -> list[Result]:
-        await self._open()
+    @staticmethod
+    def _validate(ops: list[Op]) -> None:
         for op in ops:
             if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
                 raise ValueError(f"Unknown operation type: {type(op)}")
             validate_op_namespace(op)
+
+    def _read_now(self, ops: list[Op]) -> list[Result] | None:
+        """A batch of reads answered on the calling thread with point reads (a SQLite
+        file: no hop to the store's loop thread, none to the driver's); None when the
+        batch writes, ranks by a query, refreshes TTLs, the ledger is not open yet or
+        the backend has no point reads, and `_batch` answers it on the loop.
+
+        The SQL is the loop path's: the tenant, the principal's prefix, active,
+        unexpired and covered by no tombstone, checked by SQLite on every call."""
+        if not self._opened or self._refreshes or not ops:
+            return None
+        for op in ops:
+            if isinstance(op, PutOp) or (isinstance(op, SearchOp) and op.query
+                                         and self.embeddings):
+                return None
+        self._validate(ops)
+        store = self._ml.store
+        now_us = time.time_ns() // 1000
+        results: list[Result] = []
+        for op in ops:
+            if isinstance(op, GetOp):
+                target = (ns_path(self._ns(op.namespace)), encode_key(op.key))
+                rows = store_reads.get_now(store, self.tenant, target, now_us=now_us,
+                                           owner_prefix=self._owner)
+                if rows is None:
+                    return None
+                results.append(self._item(rows[-1]) if rows else None)
+            elif isinstance(op, SearchOp):
+                found = self._search_now(op, now_us)
+                if found is None:
+                    return None
+                results.append(found)
+            else:
+                return None  # list_namespaces reads every live row: the loop path
+        return results
+
+    def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
+        """An unranked search with point reads: the rows below the prefix (paged by SQL
+        when there is no filter), filtered on their decoded values, and the created
+        times of the page's items only; None where point reads are not available."""
+        store = self._ml.store
+        prefix, plain = self._search_plan(op)
+        rows = store_reads.below_now(
+            store, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
+            limit=op.limit if plain else None, offset=op.offset if plain else 0)
+        if rows is None:
+            return None
+        kept: list[tuple[Any, tuple[str, ...], Any]] = []
+        for r in rows:
+            ns = tuple(decode_label(p) for p in r.ns_path.split(NS_SEP)[1:-1])
+            if ns[:len(prefix)] != prefix:
+                continue
+            value = orjson.loads(r.value)
+            if op.filter and not all(_compare_values(_lookup(value, k), v)
+                                     for k, v in op.filter.items()):
+                continue
+            kept.append((r, ns, value))
+        if not plain:
+            kept = kept[op.offset:op.offset + op.limit]
+        created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
+        if created is None:
+            return None
+        return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
+                           created_at=_at(created.get(r.slot) or r.order_key),
+                           updated_at=_at(r.order_key), score=None)
+                for r, ns, value in kept]
+
+    def _search_plan(self, op: SearchOp) -> tuple[tuple[str, ...], bool]:
+        """The search's prefix, and whether SQL can page it (no filter, no ranking)."""
+        prefix = tuple(op.namespace_prefix)
+        ranked = bool(op.query and self.embeddings)
+        return prefix, not op.filter and not ranked and len(prefix) <= MAX_LABELS
+
+    def _matching(self, op: SearchOp, rows: Sequence[Any]) -> list[tuple[Any, Item]]:
+        """The rows below the prefix that pass the filter, as items, in row order."""
+        prefix = tuple(op.namespace_prefix)
+        items: list[tuple[Any, Item]] = []
+        for r in rows:
+            it = self._item(r)
+            if it.namespace[:len(prefix)] != prefix:
+                continue
+            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
+                                     for k, v in op.filter.items()):
+                continue
+            items.append((r, it))
+        return items
+
+    def _page(self, op: SearchOp, rows: Sequence[Any], plain: bool
+              ) -> list[tuple[Any, Item]]:
+        """An unranked search's page: SQL paged it already when `plain`."""
+        items = self._matching(op, rows)
+        return items if plain else items[op.offset:op.offset + op.limit]
+
+    async def _batch_now(self, ops: list[Op]) -> list[Result]:
+        await self._open()
+        self._validate(ops)
         results: list[Result] = [None] * len(ops)
         now_us = time.time_ns() // 1000
         refresh: dict[tuple[str, str], Any] = {}
@@ -301,11 +451,11 @@ class MemledgerStore(BaseStore):
                 rows = {(r.ns_path, r.mkey): r for r in await store_reads.get_many(
                     conn, self.tenant, list(set(targets)), now_us=now_us,
                     owner_prefix=self._owner)}
-                for (i, op), tk in zip(gets, targets, strict=True):
+                for (i, gop), tk in zip(gets, targets, strict=True):
                     row = rows.get(tk)
                     if row is not None:
                         results[i] = self._item(row)
-                        if op.refresh_ttl and self._refreshes and row.expires_us is not None:
+                        if gop.refresh_ttl and self._refreshes and row.expires_us is not None:
                             refresh[tk] = row
             for i, op in enumerate(ops):
                 if isinstance(op, SearchOp):
@@ -321,22 +471,13 @@ class MemledgerStore(BaseStore):
 
     async def _search(self, conn: Any, op: SearchOp, now_us: int,
                       refresh: dict[tuple[str, str], Any]) -> list[SearchItem]:
-        prefix = tuple(op.namespace_prefix)
+        prefix, plain = self._search_plan(op)
         ranked = bool(op.query and self.embeddings)
-        plain = not op.filter and not ranked and len(prefix) <= MAX_LABELS
         rows = await store_reads.below(
             conn, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
             limit=op.limit if plain else None, offset=op.offset if plain else 0)
-        items: list[tuple[Any, Item]] = []
-        for r in rows:
-            it = self._item(r)
-            if it.namespace[:len(prefix)] != prefix:
-                continue
-            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
-                                     for k, v in op.filter.items()):
-                continue
-            items.append((r, it))
         if ranked:
+            items = self._matching(op, rows)
             assert op.query is not None
             q = np.asarray(await self.embeddings.aembed_query(op.query), dtype=float)
             scored: list[tuple[float, int, Any, Item]] = []
@@ -354,8 +495,7 @@ class MemledgerStore(BaseStore):
             if scoreless and len(kept) < op.limit:
                 kept.extend((None, r, it) for r, it in scoreless[:op.limit - len(kept)])
         else:
-            sl = items if plain else items[op.offset:op.offset + op.limit]
-            kept = [(None, r, it) for r, it in sl]
+            kept = [(None, r, it) for r, it in self._page(op, rows, plain)]
         if op.refresh_ttl and self._refreshes:
             for _, r, _it in kept:
                 if r.expires_us is not None:
@@ -459,7 +599,16 @@ class MemledgerStore(BaseStore):
             for i, texts in embed:
                 self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
                 n += len(texts)
-        await self._ml.append(events, wait=True)
+        if any(ev.type == "memory.forgotten" for ev in events):
+            # A delete waits for every view: erased everywhere when it returns (R20).
+            await self._ml.append(events, wait=True)
+            return
+        # A put is durable when `append` returns and readable through this store once
+        # the memories view has it; the other views follow right after, off the caller's
+        # time (their readers re-check the ledger when a view lags, R14).
+        done = await self._ml.append(events, wait=False)
+        await self._readable.catch_up(upto=max(r.position for r in done))
+        self._behind.kick()
 
     # -- TTL ---------------------------------------------------------------------------
     async def _sweep(self) -> int:
