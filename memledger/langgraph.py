@@ -28,7 +28,6 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 import orjson
-import structlog
 from langgraph.store.base import (
     BaseStore,
     GetOp,
@@ -57,11 +56,8 @@ from ledger.validation import MAX_ID_CHARS, MAX_NS_PART_CHARS, MAX_TEXT_CHARS
 from memledger._ledger import MemoryLedger
 from memledger.results import MemoryVersion
 from projections import reads, store_reads
-from projections.runner import Runner
-from projections.views import MemoryProjection
 
 T = TypeVar("T")
-log = structlog.get_logger("memledger.langgraph")
 
 #: memledger namespaces have at most 8 parts; the first is the tenant.
 MAX_LABELS = 7
@@ -139,54 +135,11 @@ def _cosine(q: np.ndarray[Any, Any], m: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return out
 
 
-#: How long the views a put does not wait for may trail it: puts within this window
-#: share one catch-up (its projection transactions), off the callers' time.
-BEHIND_DELAY_S = 0.05
-
-
-class _Behind:
-    """The views a put does not wait for (tasks, erasure, vectors), caught up on the
-    store's loop shortly after it returns: one catch-up at a time, `BEHIND_DELAY_S`
-    after the first put it serves, and one more if puts arrived while it ran."""
-
-    def __init__(self, ml: MemoryLedger) -> None:
-        self.ml = ml
-        self.task: asyncio.Task[None] | None = None
-        self.again = False
-
-    def kick(self) -> None:
-        """Catch the views up soon (on the running loop, the store's)."""
-        if self.task is None or self.task.done():
-            self.again = False
-            self.task = asyncio.get_running_loop().create_task(self._run())
-        else:
-            self.again = True
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(BEHIND_DELAY_S)
-            try:
-                await self.ml.runner.catch_up()
-            except Exception as e:  # noqa: BLE001 - the next put, delete or close retries
-                log.warning("langgraph_views_catch_up_failed", error=type(e).__name__)
-                return
-            if not self.again:
-                return
-            self.again = False
-
-    async def close(self) -> None:
-        """Finish the catch-up under way, then release the ledger."""
-        if self.task is not None and not self.task.done():
-            with contextlib.suppress(Exception):
-                await self.task
-        await self.ml.close()
-
-
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-              behind: _Behind, tmpdir: str | None) -> None:
+              ml: MemoryLedger, tmpdir: str | None) -> None:
     if loop.is_running():
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(behind.close(), loop).result(timeout=60)
+            asyncio.run_coroutine_threadsafe(ml.close(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         if thread is not threading.current_thread():
             thread.join(timeout=30)
@@ -239,9 +192,6 @@ class MemledgerStore(BaseStore):
         self._last_us = 0
         self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
         self._ml = MemoryLedger(url)
-        #: What a put waits for: the memories view, all the store's reads look at.
-        self._readable = Runner(self._ml.store, [MemoryProjection()])
-        self._behind = _Behind(self._ml)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
         self._loop = asyncio.new_event_loop()
@@ -251,7 +201,7 @@ class MemledgerStore(BaseStore):
         self._sweeper: threading.Thread | None = None
         self._sweep_stop = threading.Event()
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread,
-                                           self._behind, self._tmpdir)
+                                           self._ml, self._tmpdir)
 
     # -- life cycle --------------------------------------------------------------------
     @classmethod
@@ -392,8 +342,13 @@ class MemledgerStore(BaseStore):
         if rows is None:
             return None
         kept: list[tuple[Any, tuple[str, ...], Any]] = []
+        names: dict[str, tuple[str, ...]] = {}
+        wanted = op.offset + op.limit  # rows come in result order: stop at the page's end
         for r in rows:
-            ns = tuple(decode_label(p) for p in r.ns_path.split(NS_SEP)[1:-1])
+            ns = names.get(r.ns_path)
+            if ns is None:
+                ns = names[r.ns_path] = tuple(
+                    decode_label(p) for p in r.ns_path.split(NS_SEP)[1:-1])
             if ns[:len(prefix)] != prefix:
                 continue
             value = orjson.loads(r.value)
@@ -401,8 +356,10 @@ class MemledgerStore(BaseStore):
                                      for k, v in op.filter.items()):
                 continue
             kept.append((r, ns, value))
+            if not plain and len(kept) >= wanted:
+                break
         if not plain:
-            kept = kept[op.offset:op.offset + op.limit]
+            kept = kept[op.offset:wanted]
         created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
         if created is None:
             return None
@@ -599,16 +556,7 @@ class MemledgerStore(BaseStore):
             for i, texts in embed:
                 self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
                 n += len(texts)
-        if any(ev.type == "memory.forgotten" for ev in events):
-            # A delete waits for every view: erased everywhere when it returns (R20).
-            await self._ml.append(events, wait=True)
-            return
-        # A put is durable when `append` returns and readable through this store once
-        # the memories view has it; the other views follow right after, off the caller's
-        # time (their readers re-check the ledger when a view lags, R14).
-        done = await self._ml.append(events, wait=False)
-        await self._readable.catch_up(upto=max(r.position for r in done))
-        self._behind.kick()
+        await self._ml.append(events, wait=True)
 
     # -- TTL ---------------------------------------------------------------------------
     async def _sweep(self) -> int:

@@ -10,7 +10,7 @@ principal's namespace prefix, in the SQL itself (R15, R20, R24).
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -147,8 +147,11 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
     else:  # created: the created key of each slot of a JSON list (SQLite's json_each)
         page = func.json_each(bindparam("slots")).table_valued("value").alias("page")
         f = _first.c
+        # The planner cannot tell how many slots json_each holds and would look the
+        # versions up by tenant (every row of it): the tenant test is written so that no
+        # index serves it (`tenant || ''`), which leaves the slot index.
         q = select(page.c.value, select(f.order_key).where(
-            f.tenant == bindparam("tenant"), f.slot == page.c.value,
+            f.tenant.concat("") == bindparam("tenant"), f.slot == page.c.value,
             ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists())
             .order_by(f.order_key).limit(1).scalar_subquery())
     got = _POINT[(kind, owner, limited)] = PointQuery(q)
@@ -167,15 +170,16 @@ def get_now(store: Store, tenant: str, target: tuple[str, str], *, now_us: int,
 
 def below_now(store: Store, tenant: str, prefix: str, *, now_us: int,
               owner_prefix: str | None = None, limit: int | None = None,
-              offset: int = 0) -> list[Any] | None:
-    """`below` on the calling thread where the backend can (None where it cannot),
-    without `created_key`: `created_now` gives it for the rows a caller keeps, so a
-    search that pages or filters in Python looks it up for its page only."""
+              offset: int = 0) -> Iterator[Any] | None:
+    """`below` on the calling thread where the backend can (None where it cannot), as
+    rows made when iterated, without `created_key`: `created_now` gives it for the
+    rows a caller keeps, so a search that pages or filters in Python looks it up for
+    its page only."""
     vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
             "owner": owner_prefix, "limit": limit, "offset": offset}
     rows = point_rows(store, _point("below", owner_prefix is not None, limit is not None),
                       vals)
-    return None if rows is None else [BelowRow._make(r) for r in rows]
+    return None if rows is None else map(BelowRow._make, rows)  # made as they are used
 
 
 def created_now(store: Store, tenant: str, slots: Sequence[str]) -> dict[str, bytes] | None:
