@@ -1,18 +1,23 @@
 """`get` latency, in-process, with 100k active memories, beside LangGraph's SqliteStore.
 
 100k long-term memories (1,000 users x 100 keys, one tenant) are appended through
-`Store.append` and projected by the memories projection. Then random (user, key)
-lookups are timed one by one (p50/p99 over the sample, after a warm-up):
+`Store.append` and projected by the memories projection; LangGraph's `SqliteStore`
+(WAL) is loaded with the same items under the same namespaces and keys. Then random
+(user, key) lookups are timed one by one (p50/p99 over the sample, after a warm-up),
+in rounds: each round runs every contender on the same 250 keys in turn, so a change
+in the shared machine's load falls on all of them alike.
 
-- `projections.reads.get` inside an open `store.read()` transaction: the query itself,
-  principal check, layer rules, expiry and the tombstone `NOT EXISTS` included;
-- `MemoryLedger.get`: the SDK call, which also opens a read transaction per call;
-- baseline: LangGraph `SqliteStore.get` (WAL) holding the same 100k items under the
-  same namespaces and keys, in the same run. It keeps no history, no versions and no
+- `MemoryLedger.get`: the SDK call as an application makes it
+  (`ml.principal(t, u).get(ns, key)`): on a SQLite file a point read on the calling
+  thread (`ledger.backends.sqlite.PointReads`), principal check, layer rules, expiry
+  and the tombstone `NOT EXISTS` in its SQL;
+- `reads.get` inside an open `store.read()` transaction: the same statement through
+  SQLAlchemy async and aiosqlite, the path PostgreSQL (and a busy SQLite file) takes;
+- baseline: LangGraph `SqliteStore.get`. It keeps no history, no versions and no
   forget records, so it is the floor of a key-value lookup from Python, not a peer in
   features. Raw sqlite3 doing the same indexed SELECT is given in the note.
 
-Target: p99 < 1 ms.
+Target (issue 20): p50 and p99 within 2x of `SqliteStore.get`.
 """
 
 from __future__ import annotations
@@ -63,83 +68,81 @@ def stats(samples: Sequence[float]) -> tuple[float, float]:
     return percentile(samples, 50), percentile(samples, 99)
 
 
-async def time_reads_get(store: Store, lookups: Sequence[Lookup]) -> list[float]:
-    """Microseconds per `reads.get`, all inside one open read transaction."""
-    out: list[float] = []
+ROUND = 250
+
+
+def rounds(lookups: Sequence[Lookup]) -> list[Sequence[Lookup]]:
+    """The timed lookups in rounds of `ROUND`: every contender runs each round in turn,
+    so a change of the machine's load (shared, 2 cores) falls on all of them alike."""
+    timed = lookups[WARMUP:]
+    return [timed[i:i + ROUND] for i in range(0, len(timed), ROUND)]
+
+
+async def time_reads_get(store: Store, lookups: Sequence[Lookup], out: list[float]) -> None:
+    """Microseconds per `reads.get` (the async path PostgreSQL takes), all inside one
+    open read transaction."""
     now_us = time.time_ns() // 1000
     async with store.read() as conn:
-        for i, (user, key) in enumerate(lookups):
+        for user, key in lookups:
             who = reads.Principal(TENANT, user)
             t0 = time.perf_counter_ns()
             res = await reads.get(conn, who, [TENANT, user, "preferences"], key, now_us=now_us)
-            dt = time.perf_counter_ns() - t0
-            assert res is not None, (user, key)
-            if i >= WARMUP:
-                out.append(_us(dt))
-    return out
+            out.append(_us(time.perf_counter_ns() - t0))
+            assert res["found"], (user, key)
 
 
-async def time_ledger_get(ml: MemoryLedger, lookups: Sequence[Lookup]) -> list[float]:
-    """Microseconds per `Principal.get` call (a read transaction each)."""
-    out: list[float] = []
-    for i, (user, key) in enumerate(lookups):
+async def time_ledger_get(ml: MemoryLedger, lookups: Sequence[Lookup], out: list[float]
+                          ) -> None:
+    """Microseconds per `Principal.get` call, as an application makes it."""
+    for user, key in lookups:
         t0 = time.perf_counter_ns()
         res = await ml.principal(TENANT, user).get(["preferences"], key)
-        dt = time.perf_counter_ns() - t0
+        out.append(_us(time.perf_counter_ns() - t0))
         assert res is not None, (user, key)
-        if i >= WARMUP:
-            out.append(_us(dt))
-    return out
 
 
-def time_langgraph(path: Path, events: Sequence[Event], lookups: Sequence[Lookup]
-                   ) -> list[float]:
-    """Load the same items into LangGraph's SqliteStore and time `get`, in microseconds."""
+def langgraph_store(path: Path, events: Sequence[Event]) -> tuple[Any, sqlite3.Connection]:
+    """LangGraph's SqliteStore (WAL) holding the same items under the same keys."""
     from langgraph.store.base import PutOp
     from langgraph.store.sqlite import SqliteStore  # type: ignore[import-untyped]
 
     conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    try:
-        store = SqliteStore(conn)
-        store.setup()
-        ops = [PutOp(tuple(ev.data["namespace"]), ev.data["key"], dict(ev.data["value"]))
-               for ev in events]
-        for i in range(0, len(ops), 1000):
-            store.batch(ops[i:i + 1000])
-        out: list[float] = []
-        for i, (user, key) in enumerate(lookups):
-            t0 = time.perf_counter_ns()
-            item = store.get((TENANT, user, "preferences"), key)
-            dt = time.perf_counter_ns() - t0
-            assert item is not None, (user, key)
-            if i >= WARMUP:
-                out.append(_us(dt))
-        return out
-    finally:
-        conn.close()
+    store = SqliteStore(conn)
+    store.setup()
+    ops = [PutOp(tuple(ev.data["namespace"]), ev.data["key"], dict(ev.data["value"]))
+           for ev in events]
+    for i in range(0, len(ops), 1000):
+        store.batch(ops[i:i + 1000])
+    return store, conn
 
 
-def time_raw(path: Path, lookups: Sequence[Lookup]) -> list[float]:
+def time_langgraph(store: Any, lookups: Sequence[Lookup], out: list[float]) -> None:
+    """Microseconds per LangGraph `SqliteStore.get`."""
+    for user, key in lookups:
+        t0 = time.perf_counter_ns()
+        item = store.get((TENANT, user, "preferences"), key)
+        out.append(_us(time.perf_counter_ns() - t0))
+        assert item is not None, (user, key)
+
+
+_RAW = ("SELECT * FROM mem_versions WHERE tenant = ? AND ns_path = ? AND mkey = ? "
+        "AND status = 'active'")
+
+
+def time_raw(conn: sqlite3.Connection, lookups: Sequence[Lookup], out: list[float]) -> None:
     """Raw sqlite3: the same indexed SELECT of the active row, in microseconds."""
-    sql = ("SELECT * FROM mem_versions WHERE tenant = ? AND ns_path = ? AND mkey = ? "
-           "AND status = 'active'")
-    out: list[float] = []
-    with contextlib.closing(raw_connect(path)) as conn:
-        for i, (user, key) in enumerate(lookups):
-            nsp = f"{TENANT}\x1f{user}\x1fpreferences\x1f"
-            t0 = time.perf_counter_ns()
-            row = conn.execute(sql, (TENANT, nsp, key)).fetchone()
-            dt = time.perf_counter_ns() - t0
-            assert row is not None
-            if i >= WARMUP:
-                out.append(_us(dt))
-    return out
+    for user, key in lookups:
+        nsp = f"{TENANT}\x1f{user}\x1fpreferences\x1f"
+        t0 = time.perf_counter_ns()
+        row = conn.execute(_RAW, (TENANT, nsp, key)).fetchone()
+        out.append(_us(time.perf_counter_ns() - t0))
+        assert row is not None
 
 
 async def run() -> list[dict[str, Any]]:
-    """p50/p99 of reads.get and MemoryLedger.get beside LangGraph SqliteStore.get."""
+    """p50/p99 of MemoryLedger.get and reads.get beside LangGraph SqliteStore.get."""
     n = size(100_000, 10_000)
     samples = size(5_000, 2_000)
     rng = random.Random(5)
@@ -149,6 +152,10 @@ async def run() -> list[dict[str, Any]]:
     lookups = [(f"u{rng.randrange(USERS)}", f"k{rng.randrange(per_user)}")
                for _ in range(samples + WARMUP)]
     out: list[dict[str, Any]] = []
+    rg: list[float] = []
+    mg: list[float] = []
+    raw: list[float] = []
+    lg: list[float] = []
     with workdir("get") as d:
         db = d / "ledger.db"
         say(f"appending {n:,} memories through Store.append (set-up)")
@@ -163,26 +170,44 @@ async def run() -> list[dict[str, Any]]:
                     "SELECT count(*) FROM mem_versions WHERE status = 'active'")
                 n_active = int(active.scalar() or 0)
             assert n_active == n, n_active
-            say(f"timing {samples:,} gets of each kind")
-            settle()
-            rg = await time_reads_get(store, lookups)
         finally:
             await store.close()
-        async with MemoryLedger(sqlite_url(db)) as ml:
-            mg = await time_ledger_get(ml, lookups)
-        raw = time_raw(db, lookups)
-        lg = time_langgraph(d / "langgraph.db", events, lookups)
+        say(f"loading the same {n:,} items into LangGraph's SqliteStore")
+        lgs, lgc = langgraph_store(d / "langgraph.db", events)
+        store = Store(sqlite_url(db))
+        ml = MemoryLedger(sqlite_url(db))
+        try:
+            await store.open()
+            await ml.open()
+            with contextlib.closing(raw_connect(db)) as rawc:
+                say(f"timing {samples:,} gets of each kind, in rounds of {ROUND}")
+                warm = lookups[:WARMUP]
+                await time_reads_get(store, warm, [])
+                await time_ledger_get(ml, warm, [])
+                time_raw(rawc, warm, [])
+                time_langgraph(lgs, warm, [])
+                settle()
+                for chunk in rounds(lookups):
+                    await time_ledger_get(ml, chunk, mg)
+                    time_langgraph(lgs, chunk, lg)
+                    time_raw(rawc, chunk, raw)
+                    await time_reads_get(store, chunk, rg)
+        finally:
+            await ml.close()
+            await store.close()
+            lgc.close()
 
     lg50, lg99 = stats(lg)
     raw50, raw99 = stats(raw)
-    for label, xs in (("reads.get in store.read()", rg), ("MemoryLedger.get", mg)):
+    for label, xs in (("MemoryLedger.get", mg), ("reads.get, async path", rg)):
         p50, p99 = stats(xs)
         out.append(result(f"get p50, {label} ({n // 1000}k active)", p50, "us", lg50, "us",
                           f"baseline: LangGraph SqliteStore.get p50; raw sqlite3 SELECT "
-                          f"p50 {raw50:.0f} us"))
+                          f"p50 {raw50:.0f} us; target within 2x: "
+                          f"{'met' if p50 <= 2 * lg50 else 'MISSED'}"))
         out.append(result(f"get p99, {label} ({n // 1000}k active)", p99, "us", lg99, "us",
                           f"baseline: LangGraph p99; raw sqlite3 p99 {raw99:.0f} us; "
-                          f"target p99 < 1 ms: {'met' if p99 < 1000 else 'MISSED'}"))
+                          f"target within 2x: {'met' if p99 <= 2 * lg99 else 'MISSED'}"))
     return out
 
 

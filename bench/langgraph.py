@@ -1,10 +1,14 @@
 """`memledger.langgraph.MemledgerStore` beside LangGraph's `SqliteStore`, same run.
 
 Both stores get the same items (100k with full sizes: 1,000 namespaces `(user, "prefs")`
-x 100 keys; `--quick` 2k) loaded by batches of 1,000 puts, then: a batch put, single puts, get
-p50/p99 over random keys, search in one namespace without a query (limit 10) and with
-a filter. Search with a query is timed on MemledgerStore only: SqliteStore's vector
-search needs the sqlite-vec extension, which this machine does not have.
+x 100 keys; `--quick` 2k) loaded by batches of 1,000 puts. Then, in rounds that run each
+store in turn on the same keys (so a change in the shared machine's load falls on both
+alike): single puts, a batch put of 1,000 items, get p50/p99 over random keys, search
+in one namespace without a query (limit 10) and with a filter. Search with a query is
+timed beside LangGraph's `InMemoryStore` holding the same items with the same
+embedding function: `SqliteStore`'s vector search needs the sqlite-vec extension, which
+this machine's Python cannot load.
+
 MemledgerStore writes each put as a `memory.written` event (hash chain, forget
 register, projections) and keeps every version; SqliteStore overwrites a row.
 """
@@ -18,13 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from langgraph.store.base import PutOp
+from langgraph.store.memory import InMemoryStore
 from langgraph.store.sqlite import SqliteStore
 
-from bench.common import main, percentile, result, say, size, workdir
+from bench.common import main, percentile, result, say, settle, size, workdir
 from memledger.langgraph import MemledgerStore
 
 BATCH = 1000
 PER_NS = 100
+ROUNDS = 10
 
 
 def _embed(texts: list[str]) -> list[list[float]]:
@@ -37,70 +43,113 @@ def _embed(texts: list[str]) -> list[list[float]]:
     return out
 
 
-def _timed(fn: Callable[[], Any], n: int) -> list[float]:
-    samples = []
-    for _ in range(n):
+def _timed(fn: Callable[[int], Any], n: int, out: list[float], start: int = 0) -> None:
+    for i in range(start, start + n):
         t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1000)
-    return samples
+        fn(i)
+        out.append((time.perf_counter_ns() - t0) / 1000)
 
 
-def _exercise(store: Any, n: int, rng: random.Random) -> dict[str, float]:
-    users = n // PER_NS
+def _load(store: Any, n: int) -> float:
     t0 = time.perf_counter()
     for b in range(0, n, BATCH):
         store.batch([PutOp((f"u{i // PER_NS}", "prefs"), f"k{i % PER_NS}",
                            {"i": i, "text": f"v{i}"}) for i in range(b, min(b + BATCH, n))])
-    load_s = time.perf_counter() - t0
-    out: dict[str, float] = {"load_items_s": n / load_s}
-    ops = [PutOp((f"b{j // PER_NS}", "prefs"), f"k{j}", {"j": j}) for j in range(BATCH)]
+    return n / (time.perf_counter() - t0)
+
+
+def _batch_put(store: Any, tag: str) -> float:
+    ops = [PutOp((f"b{tag}{j // PER_NS}", "prefs"), f"k{j}", {"j": j}) for j in range(BATCH)]
     t0 = time.perf_counter()
     store.batch(ops)
-    out["batch_put"] = BATCH / (time.perf_counter() - t0)
-    puts = _timed(lambda: store.put(("single", "prefs"), f"p{rng.randrange(10**6)}", {"x": 1}),
-                  200)
-    out["put"] = 1e6 / (sum(puts) / len(puts))
-    gets = _timed(lambda: store.get((f"u{rng.randrange(users)}", "prefs"),
-                                    f"k{rng.randrange(PER_NS)}"), 1000)
-    out["get_p50"], out["get_p99"] = percentile(gets, 50), percentile(gets, 99)
-    srch = _timed(lambda: store.search((f"u{rng.randrange(users)}", "prefs"), limit=10), 200)
-    out["search"] = percentile(srch, 50)
-    filt = _timed(lambda: store.search((f"u{rng.randrange(users)}", "prefs"),
-                                       filter={"i": {"$gte": 0}}, limit=10), 200)
-    out["search_filter"] = percentile(filt, 50)
-    return out
+    return BATCH / (time.perf_counter() - t0)
 
 
 async def run() -> list[dict[str, Any]]:
-    """The figures, each beside SqliteStore's."""
+    """The figures, each beside LangGraph's in the same run."""
     n = size(100_000, 2_000)
+    users = n // PER_NS
+    gets, searches, puts = size(5_000, 1_000), size(1_000, 200), size(300, 100)
+    rng = random.Random(5)
+    keys = [(f"u{rng.randrange(users)}", f"k{rng.randrange(PER_NS)}") for _ in range(gets)]
+    spaces = [f"u{rng.randrange(users)}" for _ in range(searches)]
+    kinds = ("ml", "lg")
+    t: dict[str, dict[str, list[float]]] = {k: {m: [] for m in (
+        "put", "get", "search", "filter")} for k in kinds}
     with workdir("langgraph") as d:
-        say(f"SqliteStore: {n} items")
-        with SqliteStore.from_conn_string(str(d / "lg.db")) as lg:
-            lg.setup()
-            base = _exercise(lg, n, random.Random(5))
-        say(f"MemledgerStore: {n} items")
+        lg_cm = SqliteStore.from_conn_string(str(d / "lg.db"))
+        lg = lg_cm.__enter__()
         ml = MemledgerStore(url=f"sqlite+aiosqlite:///{d}/ml.db",
                             index={"dims": 16, "embed": _embed, "fields": ["text"]})
         try:
-            ours = _exercise(ml, n, random.Random(5))
-            q = _timed(lambda: ml.search(("u1", "prefs"), query="v17", limit=10), 50)
+            lg.setup()
+            ml.setup()
+            say(f"loading {n:,} items into each store")
+            load = {"lg": _load(lg, n), "ml": _load(ml, n)}
+            stores = {"ml": ml, "lg": lg}
+            bput: dict[str, list[float]] = {k: [] for k in kinds}
+            settle()
+            say(f"timing in {ROUNDS} rounds: puts, batch puts, gets, searches")
+            for r in range(ROUNDS):
+                for k in kinds:
+                    s = stores[k]
+                    per = puts // ROUNDS
+                    _timed(lambda i, s=s: s.put(("single", "prefs"), f"p{i}", {"x": i}),
+                           per, t[k]["put"], r * per)
+                    bput[k].append(_batch_put(s, str(r)))
+                    g = gets // ROUNDS
+                    _timed(lambda i, s=s: s.get((keys[i][0], "prefs"), keys[i][1]), g,
+                           t[k]["get"], r * g)
+                    q = searches // ROUNDS
+                    _timed(lambda i, s=s: s.search((spaces[i], "prefs"), limit=10), q,
+                           t[k]["search"], r * q)
+                    _timed(lambda i, s=s: s.search((spaces[i], "prefs"),
+                                                   filter={"i": {"$gte": 0}}, limit=10),
+                           q, t[k]["filter"], r * q)
+            say("search with a query, beside InMemoryStore holding the same items")
+            mem = InMemoryStore(index={"dims": 16, "embed": _embed, "fields": ["text"]})
+            _load(mem, n)
+            query: dict[str, list[float]] = {"ml": [], "mem": []}
+            nq = size(200, 50)
+            for r in range(ROUNDS):
+                for k, s in (("ml", ml), ("mem", mem)):
+                    per = nq // ROUNDS
+                    _timed(lambda i, s=s: s.search((spaces[i], "prefs"), query="v17",
+                                                   limit=10), per, query[k], r * per)
         finally:
             ml.close()
-    return [
-        result("langgraph load (batches of 1,000)", ours["load_items_s"], "items/s",
-               base["load_items_s"]),
-        result("langgraph put", ours["put"], "puts/s", base["put"]),
-        result("langgraph batch put", ours["batch_put"], "items/s", base["batch_put"]),
-        result("langgraph get p50", ours["get_p50"], "us", base["get_p50"]),
-        result("langgraph get p99", ours["get_p99"], "us", base["get_p99"]),
-        result("langgraph search, no query (p50)", ours["search"], "us", base["search"]),
-        result("langgraph search, filter (p50)", ours["search_filter"], "us",
-               base["search_filter"]),
-        result("langgraph search, query (p50)", percentile(q, 50), "us", None,
-               note="SqliteStore needs sqlite-vec for this"),
+            lg_cm.__exit__(None, None, None)
+
+    def p(k: str, m: str, q: float) -> float:
+        return percentile(t[k][m], q)
+
+    def put_rate(k: str) -> float:
+        return 1e6 / (sum(t[k]["put"]) / len(t[k]["put"]))
+
+    def within(ours: float, base: float, rate: bool) -> str:
+        ok = ours >= base / 2 if rate else ours <= 2 * base
+        return f"target within 2x: {'met' if ok else 'MISSED'}"
+
+    batch = {k: sum(bput[k]) / len(bput[k]) for k in kinds}
+    rows = [
+        result("langgraph load (batches of 1,000)", load["ml"], "items/s", load["lg"]),
+        result("langgraph put", put_rate("ml"), "puts/s", put_rate("lg"),
+               note=within(put_rate("ml"), put_rate("lg"), True)),
+        result("langgraph batch put", batch["ml"], "items/s", batch["lg"],
+               note=within(batch["ml"], batch["lg"], True)),
     ]
+    for m, label in (("get", "get"), ("search", "search, no query, limit 10"),
+                     ("filter", "search, filter, limit 10")):
+        for q in (50, 99):
+            ours, base = p("ml", m, q), p("lg", m, q)
+            rows.append(result(f"langgraph {label} p{q}", ours, "us", base,
+                               note=within(ours, base, False)))
+    for q in (50, 99):
+        ours, base = percentile(query["ml"], q), percentile(query["mem"], q)
+        rows.append(result(f"langgraph search, query p{q}", ours, "us", base,
+                           note="baseline: LangGraph InMemoryStore (SqliteStore needs "
+                                f"sqlite-vec); {within(ours, base, False)}"))
+    return rows
 
 
 if __name__ == "__main__":

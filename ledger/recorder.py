@@ -71,6 +71,21 @@ class Turn(Protocol):
         ...
 
 
+class PointReads(Protocol):
+    """Single SELECTs run on the calling thread, without the async driver's thread hop
+    (`ledger.backends.sqlite.PointReads`; a protocol here so the interface does not
+    import a backend)."""
+
+    def rows(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]] | None:
+        """The rows of one statement in the driver's own SQL and types, or None when it
+        could not run here and now (the caller then takes the async path)."""
+        ...
+
+    def close(self) -> None:
+        """Close the connections (they reopen on the next use)."""
+        ...
+
+
 class WriteLock(Enum):
     """Transaction-scoped locks that serialise one kind of write across processes
     (PostgreSQL advisory locks; SQLite's write transactions are serial already)."""
@@ -191,6 +206,11 @@ class Recorder(ABC):
         """A connection for one statement (a read transaction unless the backend makes
         a single statement atomic by itself)."""
         return self.read()
+
+    def point_reads(self) -> PointReads | None:
+        """Synchronous single-statement reads on the calling thread, where the backend
+        offers them (SQLite files); None elsewhere: use `read_once`."""
+        return None
 
     def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A transaction for view updates: SQLite takes its write lock up front."""

@@ -244,10 +244,14 @@ class MemledgerStore(BaseStore):
 
     # -- BaseStore ---------------------------------------------------------------------
     def batch(self, ops: Iterable[Op]) -> list[Result]:
-        return self._call(self._batch(list(ops)))
+        ops = list(ops)
+        got = self._read_now(ops)
+        return got if got is not None else self._call(self._batch(ops))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        return await self._acall(self._batch(list(ops)))
+        ops = list(ops)
+        got = self._read_now(ops)
+        return got if got is not None else await self._acall(self._batch(ops))
 
     # -- the mapping -------------------------------------------------------------------
     def _ns(self, namespace: Sequence[str]) -> list[str]:
@@ -286,12 +290,115 @@ class MemledgerStore(BaseStore):
         async with self._gate:
             return await self._batch_now(ops)
 
-    async def _batch_now(self, ops: list[Op]) -> list[Result]:
-        await self._open()
+    @staticmethod
+    def _validate(ops: list[Op]) -> None:
         for op in ops:
             if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
                 raise ValueError(f"Unknown operation type: {type(op)}")
             validate_op_namespace(op)
+
+    def _read_now(self, ops: list[Op]) -> list[Result] | None:
+        """A batch of reads answered on the calling thread with point reads (a SQLite
+        file: no hop to the store's loop thread, none to the driver's); None when the
+        batch writes, ranks by a query, refreshes TTLs, the ledger is not open yet or
+        the backend has no point reads, and `_batch` answers it on the loop.
+
+        The SQL is the loop path's: the tenant, the principal's prefix, active,
+        unexpired and covered by no tombstone, checked by SQLite on every call."""
+        if not self._opened or self._refreshes or not ops:
+            return None
+        for op in ops:
+            if isinstance(op, PutOp) or (isinstance(op, SearchOp) and op.query
+                                         and self.embeddings):
+                return None
+        self._validate(ops)
+        store = self._ml.store
+        now_us = time.time_ns() // 1000
+        results: list[Result] = []
+        for op in ops:
+            if isinstance(op, GetOp):
+                target = (ns_path(self._ns(op.namespace)), encode_key(op.key))
+                rows = store_reads.get_now(store, self.tenant, target, now_us=now_us,
+                                           owner_prefix=self._owner)
+                if rows is None:
+                    return None
+                results.append(self._item(rows[-1]) if rows else None)
+            elif isinstance(op, SearchOp):
+                found = self._search_now(op, now_us)
+                if found is None:
+                    return None
+                results.append(found)
+            else:
+                return None  # list_namespaces reads every live row: the loop path
+        return results
+
+    def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
+        """An unranked search with point reads: the rows below the prefix (paged by SQL
+        when there is no filter), filtered on their decoded values, and the created
+        times of the page's items only; None where point reads are not available."""
+        store = self._ml.store
+        prefix, plain = self._search_plan(op)
+        rows = store_reads.below_now(
+            store, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
+            limit=op.limit if plain else None, offset=op.offset if plain else 0)
+        if rows is None:
+            return None
+        kept: list[tuple[Any, tuple[str, ...], Any]] = []
+        names: dict[str, tuple[str, ...]] = {}
+        wanted = op.offset + op.limit  # rows come in result order: stop at the page's end
+        for r in rows:
+            ns = names.get(r.ns_path)
+            if ns is None:
+                ns = names[r.ns_path] = tuple(
+                    decode_label(p) for p in r.ns_path.split(NS_SEP)[1:-1])
+            if ns[:len(prefix)] != prefix:
+                continue
+            value = orjson.loads(r.value)
+            if op.filter and not all(_compare_values(_lookup(value, k), v)
+                                     for k, v in op.filter.items()):
+                continue
+            kept.append((r, ns, value))
+            if not plain and len(kept) >= wanted:
+                break
+        if not plain:
+            kept = kept[op.offset:wanted]
+        created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
+        if created is None:
+            return None
+        return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
+                           created_at=_at(created.get(r.slot) or r.order_key),
+                           updated_at=_at(r.order_key), score=None)
+                for r, ns, value in kept]
+
+    def _search_plan(self, op: SearchOp) -> tuple[tuple[str, ...], bool]:
+        """The search's prefix, and whether SQL can page it (no filter, no ranking)."""
+        prefix = tuple(op.namespace_prefix)
+        ranked = bool(op.query and self.embeddings)
+        return prefix, not op.filter and not ranked and len(prefix) <= MAX_LABELS
+
+    def _matching(self, op: SearchOp, rows: Sequence[Any]) -> list[tuple[Any, Item]]:
+        """The rows below the prefix that pass the filter, as items, in row order."""
+        prefix = tuple(op.namespace_prefix)
+        items: list[tuple[Any, Item]] = []
+        for r in rows:
+            it = self._item(r)
+            if it.namespace[:len(prefix)] != prefix:
+                continue
+            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
+                                     for k, v in op.filter.items()):
+                continue
+            items.append((r, it))
+        return items
+
+    def _page(self, op: SearchOp, rows: Sequence[Any], plain: bool
+              ) -> list[tuple[Any, Item]]:
+        """An unranked search's page: SQL paged it already when `plain`."""
+        items = self._matching(op, rows)
+        return items if plain else items[op.offset:op.offset + op.limit]
+
+    async def _batch_now(self, ops: list[Op]) -> list[Result]:
+        await self._open()
+        self._validate(ops)
         results: list[Result] = [None] * len(ops)
         now_us = time.time_ns() // 1000
         refresh: dict[tuple[str, str], Any] = {}
@@ -303,11 +410,11 @@ class MemledgerStore(BaseStore):
                 rows = {(r.ns_path, r.mkey): r for r in await store_reads.get_many(
                     conn, self.tenant, list(set(targets)), now_us=now_us,
                     owner_prefix=self._owner)}
-                for (i, op), tk in zip(gets, targets, strict=True):
+                for (i, gop), tk in zip(gets, targets, strict=True):
                     row = rows.get(tk)
                     if row is not None:
                         results[i] = self._item(row)
-                        if op.refresh_ttl and self._refreshes and row.expires_us is not None:
+                        if gop.refresh_ttl and self._refreshes and row.expires_us is not None:
                             refresh[tk] = row
             for i, op in enumerate(ops):
                 if isinstance(op, SearchOp):
@@ -323,22 +430,13 @@ class MemledgerStore(BaseStore):
 
     async def _search(self, conn: Any, op: SearchOp, now_us: int,
                       refresh: dict[tuple[str, str], Any]) -> list[SearchItem]:
-        prefix = tuple(op.namespace_prefix)
+        prefix, plain = self._search_plan(op)
         ranked = bool(op.query and self.embeddings)
-        plain = not op.filter and not ranked and len(prefix) <= MAX_LABELS
         rows = await store_reads.below(
             conn, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
             limit=op.limit if plain else None, offset=op.offset if plain else 0)
-        items: list[tuple[Any, Item]] = []
-        for r in rows:
-            it = self._item(r)
-            if it.namespace[:len(prefix)] != prefix:
-                continue
-            if op.filter and not all(_compare_values(_lookup(it.value, k), v)
-                                     for k, v in op.filter.items()):
-                continue
-            items.append((r, it))
         if ranked:
+            items = self._matching(op, rows)
             assert op.query is not None
             q = np.asarray(await self.embeddings.aembed_query(op.query), dtype=float)
             scored: list[tuple[float, int, Any, Item]] = []
@@ -356,8 +454,7 @@ class MemledgerStore(BaseStore):
             if scoreless and len(kept) < op.limit:
                 kept.extend((None, r, it) for r, it in scoreless[:op.limit - len(kept)])
         else:
-            sl = items if plain else items[op.offset:op.offset + op.limit]
-            kept = [(None, r, it) for r, it in sl]
+            kept = [(None, r, it) for r, it in self._page(op, rows, plain)]
         if op.refresh_ttl and self._refreshes:
             for _, r, _it in kept:
                 if r.expires_us is not None:

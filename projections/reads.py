@@ -9,6 +9,8 @@ forget is effective the moment it is appended, before any projection ran (R20).
 from __future__ import annotations
 
 import re
+from collections import namedtuple
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +22,11 @@ from ledger import schema as t
 from ledger.errors import ValidationError
 from ledger.events import NS_SEP, ns_path
 from ledger.forgets import covers_sql
-from projections.sql import prefix_match
+from ledger.store import Store
+from projections.sql import PointQuery, point_rows, prefix_match
 
 LAYER_RANK = {"session": 0, "task": 1, "long": 2}
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,7 @@ class Principal:
     def parse(cls, text: str) -> Principal:
         """Parse `TENANT/USER`."""
         parts = text.split("/")
-        if len(parts) != 2 or not all(parts) or any(
-                ord(c) < 32 for p in parts for c in p):
+        if len(parts) != 2 or not all(parts) or _CONTROL.search(text):
             raise ValidationError("--as", f"{text!r} is not TENANT/USER")
         return cls(parts[0], parts[1])
 
@@ -107,6 +110,23 @@ def _get_statement() -> Any:
 #: Built once: `get` is the hottest read, and building the expression per call cost more
 #: than running it. A NULL task or session compares unequal to everything in SQL.
 _GET = _get_statement()
+#: The same statement for point reads on the calling thread (`get_now`).
+_GET_POINT = PointQuery(_GET)
+#: A `mem_versions` row as the driver returns it, with the columns as attributes.
+MemRow = namedtuple("MemRow", [c.name for c in t.mem_versions.c])  # type: ignore[misc]
+
+
+def _get_values(who: Principal, namespace: list[str], key: str, now_us: int,
+                task: str | None, session: str | None) -> dict[str, Any]:
+    return {"tenant": who.tenant, "ns": ns_path(namespace), "key": key, "task": task,
+            "session": session, "now": now_us}
+
+
+def _best(rows: Iterable[Any]) -> dict[str, Any]:
+    best = min(rows, key=lambda r: LAYER_RANK[r.layer], default=None)
+    if best is None:
+        return {"found": False}
+    return {"found": True, **memory_item(best)}
 
 
 async def get(conn: AsyncConnection, who: Principal, namespace: list[str], key: str, *,
@@ -115,13 +135,22 @@ async def get(conn: AsyncConnection, who: Principal, namespace: list[str], key: 
     """The active value of a key for the principal: session beats task beats long-term."""
     if not who.owns(namespace):
         return {"found": False}  # says nothing about whether it exists
-    rows = (await conn.execute(_GET, {
-        "tenant": who.tenant, "ns": ns_path(namespace), "key": key, "task": task,
-        "session": session, "now": now_us})).all()
-    if not rows:
+    return _best((await conn.execute(
+        _GET, _get_values(who, namespace, key, now_us, task, session))).all())
+
+
+def get_now(store: Store, who: Principal, namespace: list[str], key: str, *, now_us: int,
+            task: str | None = None, session: str | None = None) -> dict[str, Any] | None:
+    """`get` run on the calling thread where the backend can (a point read on a SQLite
+    file: the same statement, the same filters, no hop to the driver's thread); None
+    where it cannot, and the caller awaits `get` instead."""
+    if not who.owns(namespace):
         return {"found": False}
-    best = min(rows, key=lambda r: LAYER_RANK[r.layer])
-    return {"found": True, **memory_item(best)}
+    rows = point_rows(store, _GET_POINT, _get_values(who, namespace, key, now_us, task,
+                                                     session))
+    if rows is None:
+        return None
+    return _best(MemRow._make(r) for r in rows)
 
 
 async def active_memories(conn: AsyncConnection, who: Principal, *, now_us: int,

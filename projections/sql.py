@@ -2,8 +2,9 @@
 
 Everything in `projections` that must know whether it runs on SQLite or PostgreSQL
 asks here: the insert paths (plain, insert-ignore), the checkpoint row lock, the
-raw-driver read, the index-friendly prefix range, and whether the SQLite-only bulk SQL
-path may run. The rest of the package writes one statement for both backends.
+raw-driver read, the point reads on the calling thread, the index-friendly prefix
+range, and whether the SQLite-only bulk SQL path may run. The rest of the package
+writes one statement for both backends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import BigInteger, ColumnElement, String, cast, func, literal, tuple_
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.dialects.postgresql import BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -132,3 +134,41 @@ def bulk_sql_possible(store: Store) -> bool:
     """May a bulk load use the SQLite-only SQL path (`projections.bulk`)? Only on SQLite,
     and only where `bulk.sql_rows_supported` then confirms the JSON functions agree."""
     return store.dialect == "sqlite"
+
+
+class PointQuery:
+    """A SELECT built once with SQLAlchemy (the same statement the async path runs)
+    and compiled once to SQLite's SQL, for `point_rows`.
+
+    Its bound values are plain strings, integers, bytes or None (no type conversion
+    is applied); the SQL's own literals keep the values they were built with.
+    """
+
+    def __init__(self, stmt: Any) -> None:
+        self.stmt = stmt
+        compiled = stmt.compile(dialect=sqlite_dialect.dialect())
+        self.sql = str(compiled)
+        names = compiled.positiontup
+        assert names is not None, "a point query needs positional parameters"
+        self.names: tuple[str, ...] = tuple(names)
+        self.defaults: dict[str, Any] = dict(compiled.params)
+
+    def parameters(self, values: dict[str, Any]) -> list[Any]:
+        """The positional parameters for `values` (by bind name)."""
+        d = self.defaults
+        return [values[n] if n in values else d[n] for n in self.names]
+
+
+def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
+               ) -> list[tuple[Any, ...]] | None:
+    """The rows of `q` read on the calling thread (SQLite files, no thread hop), as
+    the driver returns them; None where that cannot be done (PostgreSQL, an in-memory
+    database, a busy or missing file): the caller then runs `q.stmt` asynchronously."""
+    if store.vault is not None:
+        # Sealed view columns are opened by their SQLAlchemy column types, which the
+        # driver's raw rows skip: with the vault on, reads take the async path.
+        return None
+    reader = store.recorder.point_reads()
+    if reader is None:
+        return None
+    return reader.rows(q.sql, q.parameters(values))

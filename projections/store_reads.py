@@ -9,16 +9,19 @@ principal's namespace prefix, in the SQL itself (R15, R20, R24).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import namedtuple
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import select, tuple_
+import orjson
+from sqlalchemy import bindparam, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.forgets import covers_sql
+from ledger.store import Store
 from projections.reads import not_expired, not_forgotten
-from projections.sql import prefix_match
+from projections.sql import PointQuery, point_rows, prefix_match
 
 _first = t.mem_versions.alias("first_version")
 
@@ -71,6 +74,8 @@ async def below(conn: AsyncConnection, tenant: str, prefix: str, *, now_us: int,
     mv = t.mem_versions.c
     q = select(*_columns()).where(*_live(tenant, now_us, owner_prefix),
                                   prefix_match(mv.ns_path, prefix))
+    if conn.dialect.name == "sqlite":
+        q = q.where(*_range(mv.ns_path, prefix, prefix[:-1] + "\x20"))
     q = q.order_by(mv.order_key.desc(), mv.memory_id)
     if limit is not None:
         q = q.limit(limit).offset(offset)
@@ -92,3 +97,96 @@ async def expired(conn: AsyncConnection, tenant: str, *, now_us: int) -> list[tu
         mv.tenant == tenant, mv.status == "active", mv.layer == "long",
         mv.expires_us.is_not(None), mv.expires_us <= now_us, not_forgotten())
     return sorted({(r[0], r[1]) for r in (await conn.execute(q)).all()})
+
+
+# -- point reads on the calling thread (SQLite files; `projections.sql.point_rows`) ------
+#: A row of `_columns()` as the driver returns it, with the columns as attributes.
+Row = namedtuple("Row", ["memory_id", "ns_path", "mkey", "value", "order_key",  # type: ignore[misc]
+                         "expires_us", "created_key"])
+#: A row of `below_now`: no `created_key` (`created_now` gives it for a page), the slot.
+BelowRow = namedtuple("BelowRow", ["memory_id", "ns_path", "mkey", "value",  # type: ignore[misc]
+                                   "order_key", "expires_us", "slot"])
+
+
+def _range(col: Any, lo: Any, hi: Any) -> list[Any]:
+    """SQL: `lo <= col < hi`, the bytewise range of a namespace path prefix ending in the
+    separator (`projections.sql.prefix_range`): SQLite only, where TEXT compares
+    bytewise; it lets `ix_mem_lookup` serve the prefix."""
+    return [col >= lo, col < hi]
+
+
+def _point_live(owner: bool) -> list[Any]:
+    mv = t.mem_versions.c
+    conds = [mv.tenant == bindparam("tenant"), mv.status == "active", mv.layer == "long",
+             not_expired(bindparam("now")), not_forgotten()]  # type: ignore[arg-type]
+    if owner:
+        conds.append(func.substr(mv.ns_path, 1, func.length(bindparam("owner")))
+                     == bindparam("owner"))
+    return conds
+
+
+_POINT: dict[tuple[str, bool, bool], PointQuery] = {}
+
+
+def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
+    got = _POINT.get((kind, owner, limited))
+    if got is not None:
+        return got
+    mv = t.mem_versions.c
+    if kind == "get":
+        q = select(*_columns()).where(*_point_live(owner), mv.ns_path == bindparam("ns"),
+                                      mv.mkey == bindparam("key"))
+    elif kind == "below":
+        q = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key, mv.expires_us,
+                   mv.slot).where(
+            *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
+            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
+            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id)
+        if limited:
+            q = q.limit(bindparam("limit")).offset(bindparam("offset"))
+    else:  # created: the created key of each slot of a JSON list (SQLite's json_each)
+        page = func.json_each(bindparam("slots")).table_valued("value").alias("page")
+        f = _first.c
+        # The planner cannot tell how many slots json_each holds and would look the
+        # versions up by tenant (every row of it): the tenant test is written so that no
+        # index serves it (`tenant || ''`), which leaves the slot index.
+        q = select(page.c.value, select(f.order_key).where(
+            f.tenant.concat("") == bindparam("tenant"), f.slot == page.c.value,
+            ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists())
+            .order_by(f.order_key).limit(1).scalar_subquery())
+    got = _POINT[(kind, owner, limited)] = PointQuery(q)
+    return got
+
+
+def get_now(store: Store, tenant: str, target: tuple[str, str], *, now_us: int,
+            owner_prefix: str | None = None) -> list[Any] | None:
+    """`get_many` of one `(ns_path, key)` on the calling thread where the backend can;
+    None where it cannot (then await `get_many`). The same filters, in the SQL."""
+    vals = {"tenant": tenant, "now": now_us, "ns": target[0], "key": target[1],
+            "owner": owner_prefix}
+    rows = point_rows(store, _point("get", owner_prefix is not None), vals)
+    return None if rows is None else [Row._make(r) for r in rows]
+
+
+def below_now(store: Store, tenant: str, prefix: str, *, now_us: int,
+              owner_prefix: str | None = None, limit: int | None = None,
+              offset: int = 0) -> Iterator[Any] | None:
+    """`below` on the calling thread where the backend can (None where it cannot), as
+    rows made when iterated, without `created_key`: `created_now` gives it for the
+    rows a caller keeps, so a search that pages or filters in Python looks it up for
+    its page only."""
+    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
+            "owner": owner_prefix, "limit": limit, "offset": offset}
+    rows = point_rows(store, _point("below", owner_prefix is not None, limit is not None),
+                      vals)
+    return None if rows is None else map(BelowRow._make, rows)  # made as they are used
+
+
+def created_now(store: Store, tenant: str, slots: Sequence[str]) -> dict[str, bytes] | None:
+    """The created key (`_created_key`: the first unforgotten version's order key) of
+    each slot, on the calling thread; None where point reads are not available."""
+    if not slots:
+        return {}
+    rows = point_rows(store, _point("created"), {
+        "tenant": tenant, "slots": orjson.dumps(sorted(set(slots))).decode()})
+    return None if rows is None else {r[0]: r[1] for r in rows if r[1] is not None}

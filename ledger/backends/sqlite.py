@@ -37,7 +37,9 @@ import contextlib
 import fcntl
 import os
 import queue
+import sqlite3
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -82,6 +84,12 @@ class SQLiteRecorder(Recorder):
         super().__init__(url, pool_size=pool_size)
         path = turn_path(url) if write_turns else None
         self.turn = WriteTurn(path) if path is not None else None
+        db = file_path(url)
+        self._points = PointReads(db) if db is not None else None
+
+    def point_reads(self) -> PointReads | None:
+        """Plain `sqlite3` reads on the calling thread, for file databases."""
+        return self._points
 
     def create_engine(self, pool_size: int) -> AsyncEngine:
         engine = create_async_engine(self.url, poolclass=NullPool
@@ -134,8 +142,10 @@ class SQLiteRecorder(Recorder):
             yield conn
 
     async def dispose(self) -> None:
-        """Close the connection pool, then the turn file."""
+        """Close the connection pool, the point-read connections, then the turn file."""
         await super().dispose()
+        if self._points is not None:
+            self._points.close()
         if self.turn is not None:
             self.turn.close()
 
@@ -217,6 +227,97 @@ class SQLiteRecorder(Recorder):
         if not sd:
             out.append({"place": "sqlite", "detail": "PRAGMA secure_delete is off"})
         return out
+
+
+#: Bumped in a forked child: a child never uses its parent's connections (os.getpid()
+#: per read would cost a system call).
+_FORKS = [0]
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+
+
+class _Held:
+    """A thread's point-read connection (a holder, since a sqlite3 connection cannot be
+    referenced weakly): freed, and so closed, when its thread ends."""
+
+    __slots__ = ("__weakref__", "conn", "forks", "generation")
+
+    def __init__(self, conn: sqlite3.Connection, generation: int) -> None:
+        self.conn = conn
+        self.generation = generation
+        self.forks = _FORKS[0]
+
+
+class PointReads:
+    """Single SELECTs on a plain `sqlite3` connection of the calling thread.
+
+    The point reads (`get` and the store adapter's look-ups) take 15-40 us in SQLite;
+    through SQLAlchemy async and aiosqlite's worker thread each statement costs five
+    hand-offs between threads (check-out, execute, fetch, reset, return), several
+    hundred microseconds, most of it waiting for a CPU on a busy machine. Run inline,
+    the statement blocks the event loop for less time than one hand-off costs.
+
+    Each thread has its own connection (opened on first use, `query_only`, never
+    writing). Nothing is cached above SQLite: every call is a fresh autocommit
+    statement, so it sees every transaction committed before it, by this process or
+    another, a forget's tombstone included (R20). Rows are fetched to the end, so no
+    statement keeps a read snapshot (or the WAL) pinned between calls. The busy
+    timeout is zero: where SQLite would make a reader wait (recovering a WAL after a
+    crash), `rows` returns None at once and the caller takes the async path, which
+    waits in the driver's thread instead of blocking the event loop. A forked child
+    opens its own connections; it never uses its parent's.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.uri = Path(path).absolute().as_uri() + "?mode=rw"  # never creates the file
+        self._local = threading.local()
+        self._generation = 0
+        self._open: weakref.WeakSet[_Held] = weakref.WeakSet()
+        self._mutex = threading.Lock()
+
+    def _connection(self) -> sqlite3.Connection:
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is not None and held.generation == self._generation \
+                and held.forks == _FORKS[0]:
+            return held.conn
+        conn = sqlite3.connect(self.uri, uri=True, isolation_level=None,
+                               check_same_thread=False, cached_statements=64)
+        conn.execute("PRAGMA busy_timeout=0")
+        conn.execute("PRAGMA query_only=ON")
+        held = _Held(conn, self._generation)
+        with self._mutex:
+            self._open.add(held)
+        self._local.held = held
+        return conn
+
+    def rows(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]] | None:
+        """Every row of one SELECT, or None if SQLite could not run it now (busy, no
+        file, damaged: the async path then runs it and reports what is wrong)."""
+        try:
+            return self._connection().execute(sql, params).fetchall()
+        except sqlite3.Error:
+            return None
+
+    def close(self) -> None:
+        """Close every thread's connection (a later call opens a new one)."""
+        with self._mutex:
+            self._generation += 1
+            held, self._open = list(self._open), weakref.WeakSet()
+        for h in held:
+            if h.forks == _FORKS[0]:
+                with contextlib.suppress(sqlite3.Error):
+                    h.conn.close()
+
+
+def file_path(url: str) -> str | None:
+    """The file of a plain SQLite file URL; None for PostgreSQL, in-memory databases,
+    `file:` URIs and URLs with query options (their connections are not ours to copy)."""
+    u = make_url(url)
+    if not u.drivername.startswith("sqlite") or u.query:
+        return None
+    db = u.database or ""
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return db
 
 
 def database_files(url: str) -> list[Path]:

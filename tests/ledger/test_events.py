@@ -243,3 +243,26 @@ def test_derived_id_form_is_reserved() -> None:
     assert "reserved for derived ids" in msg
     ev = parse_event(write("k", 1, idem="k9"))
     assert parse_event(ev.to_wire()) == ev  # its own derived id is accepted back
+
+
+def test_derived_idempotency_key_never_looks_like_a_card() -> None:
+    """A derived key whose hash part is all digits and Luhn-valid (about one key in
+    40,000) gets another form instead of being rejected as a card number (R23); a key
+    that passed before keeps its form, so a retry is still a duplicate (R11)."""
+    from ledger import builders
+    from ledger.builders import Source, derive_idempotency_key
+    from ledger.secrets import find_secret_in_text
+
+    source = Source.operator("langgraph:MemledgerStore:abc", seq=1,
+                             at="2026-12-02T00:00:00.000000+00:00")
+    # Found by searching key names: its hash part is 5533270371874524, a valid card.
+    target = ["slot", ["shop-a", "x"], "k28426", None, None, None]
+    key = derive_idempotency_key("memory.written", source, target)
+    assert key.endswith(":h5533270371874524")
+    assert find_secret_in_text(key.replace(":h", ":")) == "payment_card"
+    ev = builders.write(tenant="shop-a", actor="op", namespace=["shop-a", "x"],
+                        key="k28426", value=1, source=source)
+    assert ev.idempotency_key == key
+    # an ordinary key is unchanged: the hash right after the event type
+    plain = derive_idempotency_key("memory.written", source, {"key": "k1"})
+    assert plain.rsplit(":", 1)[1].isalnum() and ":h" not in plain
