@@ -126,6 +126,8 @@ class PostgresRecorder(Recorder):
                             ) -> None:
         # As on SQLite: plain tuples in column order go straight to asyncpg's
         # executemany, without SQLAlchemy's per-row parameter processing.
+        if self.vault is not None:
+            self.vault.seal_rows(rows)  # content encrypted, as in `Recorder.insert_events`
         await conn.exec_driver_sql(_INSERT_EVENTS, [
             tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
