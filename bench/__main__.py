@@ -22,7 +22,7 @@ import orjson
 from bench.common import OUT_DIR, QUICK_ENV, format_table, machine
 from ledger.logs import configure
 
-ORDER = ("append", "projection", "get", "rebuild", "recall", "workers", "langgraph")
+ORDER = ("append", "projection", "get", "rebuild", "recall", "workers", "langgraph", "eval")
 
 
 def _load(name: str) -> Any:
