@@ -53,6 +53,7 @@ from bench.common import main, result, say, sqlite_url, workdir
 from ledger.builders import Source, wire
 from ledger.store import Store
 from ledger.validation import parse_event
+from projections.candidates import DEFAULT_FUSION, FUSION_ENV
 from projections.embedding import Embedder
 from projections.index_cache import CACHE
 from projections.recall import recall
@@ -64,6 +65,7 @@ FIXTURE: Final = ROOT / "tests" / "fixtures" / "recall_fixture.json"
 DATA_ENV: Final = "MEMLEDGER_LOCOMO_DIR"
 SPLIT_ENV: Final = "MEMLEDGER_EVAL_SPLIT"
 EMBEDDERS_ENV: Final = "MEMLEDGER_EVAL_EMBEDDERS"
+FUSIONS_ENV: Final = "MEMLEDGER_EVAL_FUSIONS"
 DEV: Final = ("26", "30", "41", "42", "43")
 HELD_OUT: Final = ("44", "47", "48", "49", "50")
 CATEGORIES: Final = (1, 2, 3, 4)
@@ -290,29 +292,47 @@ def memory_id(cid: str, dia_id: str) -> str:
     return f"{cid}/{dia_id}"
 
 
-async def pipeline(path: Path, convs: Sequence[Conversation]) -> Score:
-    """memledger's recall, with the process's current embedder, over every conversation."""
+def fusions() -> list[str]:
+    """The fusions of the two arms to run (`MEMLEDGER_EVAL_FUSIONS`, comma-separated):
+    by default the one recall uses, reciprocal-rank fusion and the semantic arm alone."""
+    env = os.environ.get(FUSIONS_ENV, "").strip()
+    if env:
+        return [x.strip() for x in env.split(",") if x.strip()]
+    return [DEFAULT_FUSION, "rrf", "semantic"]
+
+
+async def pipeline(path: Path, convs: Sequence[Conversation]) -> dict[str, Score]:
+    """memledger's recall, with the process's current embedder, over every conversation,
+    once per fusion of `fusions()`."""
     store = Store(sqlite_url(path))
-    score = Score()
+    out: dict[str, Score] = {}
+    old = os.environ.get(FUSION_ENV)
     try:
         await store.open()
         events = [turn_event(c, i, x) for c in convs for i, x in enumerate(c.turns)]
         for s in range(0, len(events), 1000):
             await store.append(events[s:s + 1000])
         await Runner(store).catch_up()
-        t0 = time.perf_counter()
-        for c in convs:
-            who = f"{TENANT}/conv-{c.cid}"
-            for q in c.questions:
-                res = await recall(store, who, query=q.text, session=None, task=None,
-                                   budget=None, limit=LIMIT, now_us=NOW_US)
-                got = [str(i["memory_id"]) for i in res["items"]]
-                score.leaked += sum(not m.startswith(f"{c.cid}/") for m in got)
-                score.add(q.category, [m.split("/", 1)[1] for m in got], q.evidence)
-        score.seconds = time.perf_counter() - t0
+        for fusion in fusions():
+            os.environ[FUSION_ENV] = fusion
+            score = out[fusion] = Score()
+            t0 = time.perf_counter()
+            for c in convs:
+                who = f"{TENANT}/conv-{c.cid}"
+                for q in c.questions:
+                    res = await recall(store, who, query=q.text, session=None, task=None,
+                                       budget=None, limit=LIMIT, now_us=NOW_US)
+                    got = [str(i["memory_id"]) for i in res["items"]]
+                    score.leaked += sum(not m.startswith(f"{c.cid}/") for m in got)
+                    score.add(q.category, [m.split("/", 1)[1] for m in got], q.evidence)
+            score.seconds = time.perf_counter() - t0
     finally:
+        if old is None:
+            os.environ.pop(FUSION_ENV, None)
+        else:
+            os.environ[FUSION_ENV] = old
         await store.close()
-    return score
+    return out
 
 
 async def fixture_recall_at_5(path: Path) -> tuple[float, int]:
@@ -395,12 +415,17 @@ async def run() -> list[dict[str, Any]]:
             for n in names:
                 say(f"memledger recall with {n}")
                 with embedder_env(n):
-                    scores[f"memledger {n}"] = await pipeline(tmp / f"locomo-{n}.db", convs)
+                    for fusion, sc in (await pipeline(tmp / f"locomo-{n}.db", convs)).items():
+                        name = f"memledger {n}" + (
+                            "" if fusion == DEFAULT_FUSION else f" {fusion}")
+                        scores[name] = sc
             print(f"\nLoCoMo {split} split ({nq} questions, categories 1-4; hit = an "
                   f"evidence turn in the first k of recall(limit={LIMIT}))", flush=True)
             print(table(scores), flush=True)
             bm = scores["bm25"]
             for n in names:
+                if f"memledger {n}" not in scores:
+                    continue
                 s = scores[f"memledger {n}"]
                 extra = "" if n not in ("hashgram",) else (
                     f"; target (default install) >= 1.1x BM25: "

@@ -55,7 +55,7 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
         at = await read_positions(conn)
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)
-        rows, cands = await valid_candidates(conn, who, idx, qtext, qvec, lag, emb,
+        rows, cands = await valid_candidates(conn, store, who, idx, qtext, qvec, lag, emb,
                                              task=task, session=session, limit=limit,
                                              now_us=now_us)
         # An index that is caught up lists every open task: none there, none to read.

@@ -26,7 +26,8 @@ ADVISORY_LOCK_IDS: Final = {WriteLock.SCHEMA: 7231001, WriteLock.DEAD_LETTERS: 7
 IDLE_IN_TRANSACTION_MS: Final = 60000
 LOCK_TIMEOUT: Final = "30s"
 #: The tables that hold (or held) content an erasure removes.
-CONTENT_TABLES: Final = ("events", "mem_versions", "task_notes", "tasks_view", "vectors")
+CONTENT_TABLES: Final = ("events", "mem_versions", "task_notes", "tasks_view", "vectors",
+                         "lexical_docs")
 #: SQLSTATEs that mean "this role may not run amcheck here", not "the data is damaged".
 _NOT_PERMITTED: Final = ("42501", "0A000", "58P01", "42883")
 _BTREE_INDEXES: Final = text(
