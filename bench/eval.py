@@ -54,7 +54,7 @@ from ledger.builders import Source, wire
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.candidates import DEFAULT_FUSION, FUSION_ENV
-from projections.embedding import Embedder
+from projections.embedding import Embedder, embed_queries
 from projections.index_cache import CACHE
 from projections.recall import recall
 from projections.runner import Runner
@@ -263,8 +263,7 @@ def baselines(convs: Sequence[Conversation], embs: dict[str, Embedder]
         for name, emb in embs.items():
             t0 = time.perf_counter()
             docs = emb.embed(texts)
-            qs = emb.embed([q.text for q in c.questions]) if not hasattr(
-                emb, "embed_queries") else emb.embed_queries([q.text for q in c.questions])
+            qs = embed_queries(emb, [q.text for q in c.questions])
             out[f"dense {name}"].seconds += time.perf_counter() - t0
             for q, qv in zip(c.questions, qs, strict=True):
                 dense = top(docs @ qv, len(texts))

@@ -26,9 +26,11 @@ from numpy.typing import NDArray
 
 __all__ = [
     "CONCEPTS",
+    "CallableEmbedder",
     "Embedder",
     "HashedNgramEmbedder",
     "SentenceModelEmbedder",
+    "embed_queries",
     "get_embedder",
 ]
 
@@ -400,6 +402,59 @@ class SentenceModelEmbedder:
         blank = np.fromiter((not t.strip() for t in texts), dtype=bool, count=len(texts))
         matrix[blank] = 0.0
         return matrix
+
+
+class CallableEmbedder:
+    """Any embedding function as an `Embedder`: a callable ``texts -> vectors``, or an
+    object with LangChain's `Embeddings` methods (``embed_documents`` for memories,
+    ``embed_query`` for queries). Rows are L2-normalised here; blank texts give zero rows.
+
+    ``name`` is stored beside every vector (name each model and version distinctly);
+    ``dim`` is checked on every batch.
+    """
+
+    def __init__(self, name: str, model: Any, dim: int) -> None:
+        """Wrap ``model`` (a callable or an `Embeddings`-like object) of width ``dim``."""
+        if not (callable(model) or hasattr(model, "embed_documents")):
+            raise TypeError("model must be callable or have embed_documents()")
+        self.name: str = name
+        self.dim: int = dim
+        self._model = model
+
+    def _rows(self, rows: Any, texts: Sequence[str]) -> NDArray[np.float32]:
+        matrix = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
+        if matrix.shape[1] != self.dim:
+            raise ValueError(f"embedder {self.name!r} returned width {matrix.shape[1]}, "
+                             f"declared {self.dim}: give CallableEmbedder the model's width")
+        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+        np.divide(matrix, norms, out=matrix, where=norms > 0)
+        blank = np.fromiter((not t.strip() for t in texts), dtype=bool, count=len(texts))
+        matrix[blank] = 0.0
+        return matrix
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of stored texts (LangChain: ``embed_documents``)."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single str")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        docs = getattr(self._model, "embed_documents", None)
+        return self._rows(docs(list(texts)) if docs is not None else self._model(list(texts)),
+                          texts)
+
+    def embed_queries(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of queries (LangChain: ``embed_query`` each; a callable: as stored)."""
+        one = getattr(self._model, "embed_query", None)
+        if one is None:
+            return self.embed(texts)
+        return self._rows([one(x) for x in texts], texts)
+
+
+def embed_queries(emb: Embedder, texts: Sequence[str]) -> NDArray[np.float32]:
+    """Query vectors: the embedder's `embed_queries` when it has one (models that embed
+    queries and passages differently), else `embed`."""
+    fn = getattr(emb, "embed_queries", None)
+    return fn(texts) if fn is not None else emb.embed(texts)  # type: ignore[no-any-return]
 
 
 _HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(
