@@ -305,6 +305,11 @@ def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float
     )
 
 
+def light_stem(word: str) -> str:
+    """Strip one common English inflection ("languages" -> "language")."""
+    return _stem(word)
+
+
 def clear_caches() -> None:
     """Empty the per-word and per-feature caches (a benchmark's cold start)."""
     _latin_word_features.cache_clear()

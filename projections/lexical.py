@@ -6,7 +6,9 @@ for the slots a batch touches, `projections.vectors.touched` / `slots_of`), each
 its set of terms. Searched by `search`, always inside one principal's scope in SQL.
 
 Terms (`terms`): the text is NFKC-normalised and casefolded; a run of latin letters or
-digits is one term; a run of CJK characters (ideographs, kana, hangul) gives its
+digits is one term, with one common English inflection stripped (the default
+embedder's `light_stem`: "groups" -> "group"; measured on the LoCoMo development split,
+docs/recall.md); a run of CJK characters (ideographs, kana, hangul) gives its
 character bigrams (a one-character run: that character). Bigrams need no dictionary,
 match any Chinese word of two or more characters and are what CJK full-text indexes
 commonly use. A memory's entry is the *set* of its terms, sorted: no order, no
@@ -41,6 +43,7 @@ from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
+from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
 from projections.sql import chunks, insert_rows, page_after, prefix_match, prefix_range
@@ -63,6 +66,8 @@ def _ordered_terms(text: str) -> list[str]:
         tok = m.group()
         if m.lastgroup == "cjk" and len(tok) > 1:
             out.extend(tok[i:i + 2] for i in range(len(tok) - 1))
+        elif m.lastgroup == "lat":
+            out.append(light_stem(tok))
         else:
             out.append(tok)
     return out
