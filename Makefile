@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install lint test test-fast test-langgraph demo demo-workers bench clean
+.PHONY: help install lint test test-fast test-langgraph demo demo-workers bench eval clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ demo-workers: $(STAMP) ## the same story through publish and a worker daemon (ne
 
 bench: $(STAMP) ## benchmarks, each beside raw sqlite3 doing the same work in the same run
 	$(BIN)/python -m bench
+
+eval: $(STAMP) ## recall quality on LoCoMo (dev split) beside BM25 and dense baselines, and the bilingual fixture
+	$(BIN)/python -m bench.eval
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

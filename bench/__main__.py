@@ -23,7 +23,7 @@ from bench.common import OUT_DIR, QUICK_ENV, format_table, machine
 from ledger.logs import configure
 
 ORDER = ("append", "projection", "get", "rebuild", "recall", "workers", "langgraph", "http",
-         "postgres", "scale", "vault", "asof")
+         "postgres", "scale", "vault", "asof", "eval")
 
 
 def _load(name: str) -> Any:

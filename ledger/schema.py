@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     Column,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    event,
 )
 
 from ledger.vault import SealedPayload, SealedText, SealedView
@@ -328,4 +330,56 @@ vectors = Table(
     Index("ix_vectors_ns", "tenant", "ns_path"),
 )
 
-VIEW_TABLES: Final = (mem_versions, mem_marks, task_notes, tasks_view, vectors)
+# The lexical index (projections/lexical.py): one row per active memory with its *set*
+# of terms (sorted, deduplicated, space-separated: no order, no positions, no counts).
+# `docid` is a deterministic 63-bit hash of (tenant, item_id), the full-text row id.
+lexical_docs = Table(
+    "lexical_docs",
+    metadata,
+    Column("tenant", String(128), nullable=False),
+    Column("item_id", String(300), nullable=False),
+    Column("docid", BigInteger, nullable=False),
+    Column("ns_path", Text, nullable=False),
+    Column("layer", String(8), nullable=False),
+    Column("task_key", String(256), nullable=True),
+    Column("session_id", String(256), nullable=True),
+    Column("scope", String(32), nullable=False),  # hashed principal: the FTS5 filter term
+    Column("terms", Text, nullable=False),
+    PrimaryKeyConstraint("tenant", "item_id"),
+    UniqueConstraint("docid", name="uq_lexical_docid"),
+    Index("ix_lexical_ns", "tenant", "ns_path"),
+)
+
+#: SQLite: a contentless FTS5 table (no copy of the text: only its inverted index; the
+#: positions it keeps are those in the sorted term set, not in the text) over
+#: `lexical_docs`, kept equal to it by triggers, so every delete of a row (a forget, a
+#: rebuild, a restore) leaves the index too.
+LEXICAL_FTS: Final = "lexical_fts"
+_SQLITE_LEXICAL_DDL: Final = (
+    f"CREATE VIRTUAL TABLE IF NOT EXISTS {LEXICAL_FTS} USING fts5("
+    "scope, terms, content='', tokenize='unicode61 remove_diacritics 0')",
+    f"CREATE TRIGGER IF NOT EXISTS lexical_docs_ai AFTER INSERT ON lexical_docs BEGIN "
+    f"INSERT INTO {LEXICAL_FTS}(rowid, scope, terms) VALUES (new.docid, new.scope, new.terms);"
+    " END",
+    f"CREATE TRIGGER IF NOT EXISTS lexical_docs_ad AFTER DELETE ON lexical_docs BEGIN "
+    f"INSERT INTO {LEXICAL_FTS}({LEXICAL_FTS}, rowid, scope, terms) "
+    "VALUES ('delete', old.docid, old.scope, old.terms); END",
+    f"CREATE TRIGGER IF NOT EXISTS lexical_docs_au AFTER UPDATE ON lexical_docs BEGIN "
+    f"INSERT INTO {LEXICAL_FTS}({LEXICAL_FTS}, rowid, scope, terms) "
+    "VALUES ('delete', old.docid, old.scope, old.terms); "
+    f"INSERT INTO {LEXICAL_FTS}(rowid, scope, terms) VALUES (new.docid, new.scope, new.terms);"
+    " END",
+)
+#: PostgreSQL: an expression GIN index over the terms (no tsvector column is stored).
+_PG_LEXICAL_DDL: Final = (
+    "CREATE INDEX IF NOT EXISTS ix_lexical_tsv ON lexical_docs "
+    "USING gin (to_tsvector('simple'::regconfig, terms))",
+)
+for _stmt in _SQLITE_LEXICAL_DDL:
+    event.listen(lexical_docs, "after_create",
+                 DDL(_stmt).execute_if(dialect="sqlite"))  # type: ignore[no-untyped-call]
+for _stmt in _PG_LEXICAL_DDL:
+    event.listen(lexical_docs, "after_create",
+                 DDL(_stmt).execute_if(dialect="postgresql"))  # type: ignore[no-untyped-call]
+
+VIEW_TABLES: Final = (mem_versions, mem_marks, task_notes, tasks_view, vectors, lexical_docs)

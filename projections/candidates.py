@@ -5,6 +5,8 @@ against the active view (steps 2 and 3 of `projections.recall`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -16,7 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES
-from projections import reads
+from ledger.store import Store
+from projections import lexical, reads
 from projections.embedding import Embedder
 from projections.index_cache import LAG_WINDOW
 from projections.principal_index import Group, PrincipalIndex, cosine_scores, norm_key
@@ -31,6 +34,19 @@ KEY_NAMED: Final = 0.6
 POOL: Final = 48
 #: Writes newer than the index considered directly: at most this many.
 LAG_MAX: Final = 256
+#: How the semantic and lexical arms are fused: "weighted:A" (A x cosine + (1 - A) x
+#: lexical score / the query's best lexical score), "rrf" (reciprocal-rank fusion) or
+#: "semantic" (vectors only). The default, weighted with A = 0.5, measured best on the
+#: LoCoMo development split (docs/recall.md, "Quality").
+FUSION_ENV: Final = "MEMLEDGER_RECALL_FUSION"
+DEFAULT_FUSION: Final = "weighted:0.5"
+#: Reciprocal-rank fusion constant (the usual 60).
+RRF_K: Final = 60
+SEMANTIC: Final = "semantic match"
+LEXICAL: Final = "lexical match"
+HYBRID: Final = "semantic + lexical match"
+#: Candidate bases whose reason shows the relevance.
+SCORED: Final = frozenset({SEMANTIC, LEXICAL, HYBRID})
 
 
 @dataclass
@@ -107,14 +123,68 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
     return list((await conn.execute(q)).all())
 
 
-async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
+def fusion() -> tuple[str, float]:
+    """The fusion in force: ("rrf", 0), ("weighted", A) or ("semantic", 0)."""
+    raw = os.environ.get(FUSION_ENV, "").strip().lower() or DEFAULT_FUSION
+    if raw in ("rrf", "semantic"):
+        return raw, 0.0
+    kind, _, a = raw.partition(":")
+    if kind == "weighted":
+        with contextlib.suppress(ValueError):
+            if 0.0 <= float(a) <= 1.0:
+                return "weighted", float(a)
+    raise ValueError(f"{FUSION_ENV}={raw!r}: use 'rrf', 'semantic' or 'weighted:A' "
+                     "with 0 <= A <= 1")
+
+
+def _tied_ranks(scores: Sequence[float]) -> list[int]:
+    """Ranks of scores sorted best first; equal scores share the better rank, so that
+    equally relevant memories stay equal and fall through to reliability (R19)."""
+    out: list[int] = []
+    for i, v in enumerate(scores):
+        out.append(out[-1] if i and v == scores[i - 1] else i)
+    return out
+
+
+def fuse(sem: dict[str, float], lex: Sequence[tuple[str, float]],
+         how: tuple[str, float] | None = None) -> dict[str, Candidate]:
+    """Fuse the semantic arm (cosine by id) with the lexical one (ids and scores, best
+    first) into one relevance in [0, 1] per id, by `how` (default: `fusion()`)."""
+    kind, a = how or fusion()
+    if kind == "semantic":
+        return {m: Candidate(v, SEMANTIC) for m, v in sem.items()}
+    lex_ids = {m for m, _ in lex}
+    basis = {m: HYBRID if m in lex_ids else SEMANTIC for m in sem}
+    basis.update(dict.fromkeys(lex_ids - sem.keys(), LEXICAL))
+    if kind == "weighted":
+        best = max((v for _, v in lex), default=0.0)
+        ls = {m: v / best for m, v in lex} if best > 0 else {}
+        return {m: Candidate(a * max(sem.get(m, 0.0), 0.0) + (1 - a) * ls.get(m, 0.0), b)
+                for m, b in basis.items()}
+    out: dict[str, float] = {}
+    sem_order = sorted(sem.items(), key=lambda p: -p[1])
+    for (m, _), r in zip(sem_order, _tied_ranks([v for _, v in sem_order]), strict=True):
+        out[m] = 1.0 / (RRF_K + r + 1)
+    for (m, _), r in zip(lex, _tied_ranks([v for _, v in lex]), strict=True):
+        out[m] = out.get(m, 0.0) + 1.0 / (RRF_K + r + 1)
+    # Scaled so that first in both arms is 1.0 and first in one arm is 0.5.
+    return {m: Candidate(v * (RRF_K + 1) / 2, basis[m]) for m, v in out.items()}
+
+
+async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Principal,
                            idx: PrincipalIndex, qtext: str | None,
                            qvec: NDArray[np.float32] | None, lag: list[str], emb: Embedder,
                            *, task: str | None, session: str | None, limit: int,
                            now_us: int) -> tuple[list[Any], dict[str, Candidate]]:
-    """Candidates re-checked against the active view: (rows, relevance by memory id)."""
+    """Candidates re-checked against the active view: (rows, relevance by memory id).
+
+    With a query, the semantic arm (cosine over the principal's vectors) and the
+    lexical arm (`projections.lexical.search`, inside the same scope in SQL) each
+    propose their best; every id of either is re-checked, then both are fused.
+    """
     cands: dict[str, Candidate] = {}
-    basis = "semantic match" if qvec is not None else "in scope"
+    sem: dict[str, float] = {}
+    basis = SEMANTIC if qvec is not None else "in scope"
     # Every memory of the current task and session: their groups only (R2).
     groups = [idx.groups[g] for g in (("task", task or ""), ("session", session or ""))
               if g[1] and g in idx.groups]
@@ -122,6 +192,8 @@ async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
         sims = cosine_scores(g.columns, qvec) if qvec is not None else np.ones(len(g.ids))
         for m, sim in zip(g.ids, sims, strict=True):
             cands[m] = Candidate(float(sim), basis)
+            if qvec is not None:
+                sem[m] = float(sim)
     scores = idx.long_scores(qvec) if qvec is not None else None
     if qtext is not None:
         for m, (c, row) in _key_matches(idx, qtext, groups).items():
@@ -140,12 +212,17 @@ async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
     lag_ids = [m for m in lag if not idx.has(m)]
     valid: dict[str, Any] = {}
     checked: set[str] = set()
-    want = [*cands, *lag_ids]
     k = POOL + 4 * limit
+    lex: list[tuple[str, float]] = []
+    if qtext is not None and qvec is not None and fusion()[0] != "semantic":
+        lex = await lexical.search(conn, store, who, qtext, task=task, session=session, k=k)
+    want = [*cands, *lag_ids, *(m for m, _ in lex)]
     for _round in range(4):
         order = ranked(k)
         for i in order:
             mid = idx.ids[int(i)]
+            if scores is not None:
+                sem.setdefault(mid, float(scores[int(i)]))
             if mid not in cands:
                 cands[mid] = Candidate(float(scores[int(i)]) if scores is not None else 1.0,
                                        basis)
@@ -169,4 +246,12 @@ async def valid_candidates(conn: AsyncConnection, who: reads.Principal,
         for r, sim in zip(fresh, sims, strict=True):
             cands[r.memory_id] = (Candidate(1.0, "exact key match") if q == norm_key(r.mkey)
                                   else Candidate(float(sim), basis))
+            if qvec is not None and q != norm_key(r.mkey):
+                sem[r.memory_id] = float(sim)
+    if qvec is not None:
+        for m, fc in fuse(sem, lex).items():
+            prev = cands.get(m)
+            # A key match keeps its own relevance when it is higher.
+            if prev is None or prev.basis in SCORED or fc.relevance > prev.relevance:
+                cands[m] = fc
     return list(valid.values()), cands

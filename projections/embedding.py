@@ -26,9 +26,11 @@ from numpy.typing import NDArray
 
 __all__ = [
     "CONCEPTS",
+    "CallableEmbedder",
     "Embedder",
     "HashedNgramEmbedder",
     "SentenceModelEmbedder",
+    "embed_queries",
     "get_embedder",
 ]
 
@@ -221,13 +223,13 @@ _LATIN_CONCEPTS, _CJK_CONCEPTS = _build_concept_index()
 
 
 @lru_cache(maxsize=1 << 14)
-def _latin_word_features(word: str) -> tuple[str, ...]:
+def _latin_word_features(word: str, concepts: bool = True) -> tuple[str, ...]:
     """Return the word, character 3-gram and concept features of one latin token."""
     if word in _EN_STOPWORDS:
         return ()
     stem = _stem(word)
     feats = ["w" + stem]
-    concept = _LATIN_CONCEPTS.get(word) or _LATIN_CONCEPTS.get(stem)
+    concept = (_LATIN_CONCEPTS.get(word) or _LATIN_CONCEPTS.get(stem)) if concepts else None
     if concept is not None:
         feats.append("c" + concept)
     if len(word) >= 4 and not word.isdigit():
@@ -237,7 +239,7 @@ def _latin_word_features(word: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1 << 14)
-def _cjk_run_features(run: str) -> tuple[str, ...]:
+def _cjk_run_features(run: str, concepts: bool = True) -> tuple[str, ...]:
     """Return unigram, bigram, trigram and concept features of one run of CJK characters."""
     feats: list[str] = []
     n = len(run)
@@ -249,7 +251,7 @@ def _cjk_run_features(run: str) -> tuple[str, ...]:
             feats.append("z" + run[i : i + 2])
             if i + 2 < n and run[i + 2] not in _ZH_STOPCHARS:
                 feats.append("t" + run[i : i + 3])
-    for i in range(n):
+    for i in range(n if concepts else 0):
         for j in range(i + 2, min(n, i + _MAX_CJK_TERM) + 1):
             concept = _CJK_CONCEPTS.get(run[i:j])
             if concept is not None:
@@ -258,11 +260,11 @@ def _cjk_run_features(run: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1 << 14)
-def _pair_features(prev: str, token: str) -> tuple[str, ...]:
+def _pair_features(prev: str, token: str, concepts: bool = True) -> tuple[str, ...]:
     feats: list[str] = []
-    concept = _LATIN_CONCEPTS.get(f"{prev} {token}") or _LATIN_CONCEPTS.get(
+    concept = (_LATIN_CONCEPTS.get(f"{prev} {token}") or _LATIN_CONCEPTS.get(
         f"{_stem(prev)} {_stem(token)}"
-    )
+    )) if concepts else None
     if concept is not None:
         feats.append("c" + concept)
     if prev not in _EN_STOPWORDS and token not in _EN_STOPWORDS:
@@ -270,7 +272,7 @@ def _pair_features(prev: str, token: str) -> tuple[str, ...]:
     return tuple(feats)
 
 
-def _text_features(text: str) -> Counter[str]:
+def _text_features(text: str, concepts: bool = True) -> Counter[str]:
     # One list in order of appearance, counted once: the same counts, in the same key
     # order (which fixes the order of the float sums), as counting feature by feature.
     feats: list[str] = []
@@ -278,12 +280,12 @@ def _text_features(text: str) -> Counter[str]:
     for match in _TOKEN_RE.finditer(_normalise(text)):
         token = match.group()
         if match.lastgroup == "cjk":
-            feats.extend(_cjk_run_features(token))
+            feats.extend(_cjk_run_features(token, concepts))
             prev = None
             continue
-        feats.extend(_latin_word_features(token))
+        feats.extend(_latin_word_features(token, concepts))
         if prev is not None:
-            feats.extend(_pair_features(prev, token))
+            feats.extend(_pair_features(prev, token, concepts))
         prev = token
     return Counter(feats)
 
@@ -303,6 +305,11 @@ def _hashed(feature: str, dim: int) -> tuple[tuple[int, float], tuple[int, float
     )
 
 
+def light_stem(word: str) -> str:
+    """Strip one common English inflection ("languages" -> "language")."""
+    return _stem(word)
+
+
 def clear_caches() -> None:
     """Empty the per-word and per-feature caches (a benchmark's cold start)."""
     _latin_word_features.cache_clear()
@@ -316,14 +323,19 @@ _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in r
 
 
 class HashedNgramEmbedder:
-    """Offline bilingual embedder built from hashed word, n-gram and concept features."""
+    """Offline bilingual embedder built from hashed word, n-gram and concept features.
 
-    def __init__(self, dim: int = 512) -> None:
+    ``concepts=False`` leaves the hand-written concept list (`CONCEPTS`) out: the
+    ``hashgram-nc`` variant, measured beside the default by ``make eval``.
+    """
+
+    def __init__(self, dim: int = 512, concepts: bool = True) -> None:
         """Create an embedder writing ``dim`` signed hash buckets per text."""
         if dim < 16:
             raise ValueError(f"dim must be at least 16, got {dim}")
         self.dim: int = dim
-        self.name: str = f"hashgram-v1-{dim}"
+        self.concepts = concepts
+        self.name: str = f"hashgram-v1-{dim}" if concepts else f"hashgram-nc-v1-{dim}"
 
     def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
         """Return L2-normalised float32 vectors, one row per text, zero rows for empty text."""
@@ -335,7 +347,7 @@ class HashedNgramEmbedder:
         vals: list[float] = []
         lengths: list[int] = []
         for text in texts:
-            counts = _text_features(text)
+            counts = _text_features(text, self.concepts)
             for feature, count in counts.items():
                 tf = _TF[count] if count < 64 else 1.0 + math.log(count)
                 (b1, w1), (b2, w2) = _hashed(feature, dim)
@@ -397,7 +409,61 @@ class SentenceModelEmbedder:
         return matrix
 
 
-_HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(r"hashgram(?:-v1-(?P<dim>\d+))?")
+class CallableEmbedder:
+    """Any embedding function as an `Embedder`: a callable ``texts -> vectors``, or an
+    object with LangChain's `Embeddings` methods (``embed_documents`` for memories,
+    ``embed_query`` for queries). Rows are L2-normalised here; blank texts give zero rows.
+
+    ``name`` is stored beside every vector (name each model and version distinctly);
+    ``dim`` is checked on every batch.
+    """
+
+    def __init__(self, name: str, model: Any, dim: int) -> None:
+        """Wrap ``model`` (a callable or an `Embeddings`-like object) of width ``dim``."""
+        if not (callable(model) or hasattr(model, "embed_documents")):
+            raise TypeError("model must be callable or have embed_documents()")
+        self.name: str = name
+        self.dim: int = dim
+        self._model = model
+
+    def _rows(self, rows: Any, texts: Sequence[str]) -> NDArray[np.float32]:
+        matrix = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
+        if matrix.shape[1] != self.dim:
+            raise ValueError(f"embedder {self.name!r} returned width {matrix.shape[1]}, "
+                             f"declared {self.dim}: give CallableEmbedder the model's width")
+        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+        np.divide(matrix, norms, out=matrix, where=norms > 0)
+        blank = np.fromiter((not t.strip() for t in texts), dtype=bool, count=len(texts))
+        matrix[blank] = 0.0
+        return matrix
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of stored texts (LangChain: ``embed_documents``)."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single str")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        docs = getattr(self._model, "embed_documents", None)
+        return self._rows(docs(list(texts)) if docs is not None else self._model(list(texts)),
+                          texts)
+
+    def embed_queries(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of queries (LangChain: ``embed_query`` each; a callable: as stored)."""
+        one = getattr(self._model, "embed_query", None)
+        if one is None:
+            return self.embed(texts)
+        return self._rows([one(x) for x in texts], texts)
+
+
+def embed_queries(emb: Embedder, texts: Sequence[str]) -> NDArray[np.float32]:
+    """Query vectors: the embedder's `embed_queries` when it has one (models that embed
+    queries and passages differently), else `embed`."""
+    fn = getattr(emb, "embed_queries", None)
+    return fn(texts) if fn is not None else emb.embed(texts)  # type: ignore[no-any-return]
+
+
+_HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(
+    r"hashgram(?P<nc>-nc)?(?:-v1-(?P<dim>\d+))?")
 
 
 def get_embedder(name: str | None = None) -> Embedder:
@@ -406,7 +472,8 @@ def get_embedder(name: str | None = None) -> Embedder:
     hashgram = _HASHGRAM_NAME.fullmatch(key)
     if hashgram is not None:
         dim = hashgram.group("dim")
-        return HashedNgramEmbedder() if dim is None else HashedNgramEmbedder(int(dim))
+        return HashedNgramEmbedder(512 if dim is None else int(dim),
+                                   concepts=hashgram.group("nc") is None)
     if key in ("minilm", "all-minilm-l6-v2"):
         return SentenceModelEmbedder()
     raise ValueError(f"unknown embedder {name!r}: use 'hashgram' or 'minilm'")

@@ -13,7 +13,7 @@ import orjson
 from numpy.typing import NDArray
 
 from projections import reads
-from projections.candidates import MIN_RELEVANCE, Candidate
+from projections.candidates import MIN_RELEVANCE, SCORED, SEMANTIC, Candidate
 from projections.embedding import Embedder
 from projections.principal_index import PrincipalIndex
 from projections.vectors import task_text
@@ -52,7 +52,7 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
     for group in by_key.values():
         group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
         win = group[0]
-        c = cands.get(win.memory_id, Candidate(0.0, "semantic match"))
+        c = cands.get(win.memory_id, Candidate(0.0, SEMANTIC))
         rel = max(cands[r.memory_id].relevance if r.memory_id in cands else 0.0
                   for r in group)
         basis = c.basis if c.relevance >= rel else next(
@@ -60,7 +60,7 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
             if r.memory_id in cands and cands[r.memory_id].relevance == rel)
         if win.layer == "long" and has_query and rel < MIN_RELEVANCE:
             continue
-        reason = [f"{basis} {rel:.2f}" if basis == "semantic match" else basis]
+        reason = [f"{basis} {rel:.2f}" if basis in SCORED else basis]
         lower = [r.layer for r in group[1:]]
         if win.layer == "session":
             reason.append("current session memory"

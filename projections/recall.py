@@ -36,6 +36,7 @@ from ledger.store import Store
 from projections import reads
 from projections.budget import fit
 from projections.candidates import lagging_writes, valid_candidates
+from projections.embedding import embed_queries
 from projections.index_cache import principal_index, read_positions
 from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
@@ -50,12 +51,12 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     await store.open()
     emb = current_embedder()
     qtext = (query or "").strip() or None
-    qvec = emb.embed([qtext])[0] if qtext else None
+    qvec = embed_queries(emb, [qtext])[0] if qtext else None
     async with store.read() as conn:
         at = await read_positions(conn, who.tenant)
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)
-        rows, cands = await valid_candidates(conn, who, idx, qtext, qvec, lag, emb,
+        rows, cands = await valid_candidates(conn, store, who, idx, qtext, qvec, lag, emb,
                                              task=task, session=session, limit=limit,
                                              now_us=now_us)
         # An index that is caught up lists every open task: none there, none to read.

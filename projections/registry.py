@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from projections.erasure import ErasureProjection
+from projections.lexical import LexicalProjection
 from projections.protocol import Projection
 from projections.vectors import VectorProjection
 from projections.views import MemoryProjection, TaskProjection
@@ -11,7 +12,7 @@ from projections.views import MemoryProjection, TaskProjection
 def default_projections() -> list[Projection]:
     """Every projection, each after the projections whose views it reads."""
     projs: list[Projection] = [MemoryProjection(), TaskProjection(), ErasureProjection(),
-                               VectorProjection()]
+                               VectorProjection(), LexicalProjection()]
     seen: set[str] = set()
     for p in projs:
         missing = set(p.depends_on) - seen

@@ -83,7 +83,8 @@ def sqlite_files(url: str) -> bytes:
 
 
 async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str) -> None:
-    """The forgotten value's bytes are absent from the SQLite files on disk (R20)."""
+    """The forgotten value's bytes are absent from the SQLite files on disk (R20),
+    including its casefolded terms in the lexical index (FTS5 shadow tables too)."""
     store = Store(sqlite_url, register_path=register_path)
     secret_ish = "QUOKKA-unique-preference-7731"
     try:
@@ -97,6 +98,7 @@ async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str)
     finally:
         await store.close()
     assert b"QUOKKA" not in sqlite_files(sqlite_url)
+    assert b"quokka" not in sqlite_files(sqlite_url)  # lexical terms are casefolded
     assert b"QUOKKA" not in Path(register_path).read_bytes()  # noqa: ASYNC240
 
 

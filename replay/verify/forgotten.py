@@ -31,7 +31,8 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
     mv, tn, tv, vc = t.mem_versions.c, t.task_notes.c, t.tasks_view.c, t.vectors.c
     covered_ids: set[tuple[str, str]] = set()
     purged_tasks: set[tuple[str, str]] = set()
-    checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0}
+    checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0,
+               "lexical_docs": 0}
     for ts in tombs:
         q = select(t.mem_versions).where(covers_sql(ts, mv))
         for r in (await conn.execute(q)).all():
@@ -74,6 +75,12 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
             vc.tenant == tenant, vc.kind == "memory", vc.item_id == memory_id))).scalar()
         if hit:
             rep.add("forgotten", place="vectors", tenant=tenant, memory_id=memory_id)
+        # The lexical index: its row (and so, by its triggers, its FTS5 entry).
+        checked["lexical_docs"] += 1
+        ld = t.lexical_docs.c
+        if (await conn.execute(select(func.count()).where(
+                ld.tenant == tenant, ld.item_id == memory_id))).scalar():
+            rep.add("forgotten", place="lexical_docs", tenant=tenant, memory_id=memory_id)
     for tenant, task_key in sorted(purged_tasks):
         hit = (await conn.execute(select(func.count()).where(
             vc.tenant == tenant, vc.kind == "task", vc.task_key == task_key))).scalar()

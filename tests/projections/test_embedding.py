@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from projections.embedding import (
+    CallableEmbedder,
     Embedder,
     HashedNgramEmbedder,
     SentenceModelEmbedder,
+    embed_queries,
     get_embedder,
 )
 
@@ -341,3 +343,27 @@ def test_minilm_recall_at_5_report() -> None:
     recall = recall_at_k(embedder)
     print(f"\nall-minilm-l6-v2 recall@{TOP_K}: {recall:.3f}")
     assert 0.0 <= recall <= 1.0
+
+
+class _Docs:
+    """A LangChain-`Embeddings`-shaped model: different vectors for queries and texts."""
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [[float(len(x)), 1.0, 0.0] for x in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return [0.0, 0.0, 2.0]
+
+
+def test_callable_and_langchain_shaped_embedders() -> None:
+    """A plain callable and an `Embeddings`-like object become Embedders: rows are
+    normalised, blank texts give zero rows, queries use `embed_query`, a wrong width is
+    refused with the fix named."""
+    plain = CallableEmbedder("twice", lambda xs: [[2.0, 0.0]] * len(xs), dim=2)
+    assert plain.embed(["a", " "]).tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    assert embed_queries(plain, ["a"]).tolist() == [[1.0, 0.0]]
+    lc = CallableEmbedder("lc", _Docs(), dim=3)
+    assert np.allclose(np.linalg.norm(lc.embed(["abc", "de"]), axis=1), 1.0)
+    assert embed_queries(lc, ["q"]).tolist() == [[0.0, 0.0, 1.0]]
+    with pytest.raises(ValueError, match="width"):
+        CallableEmbedder("bad", lambda xs: [[1.0]] * len(xs), dim=2).embed(["a"])

@@ -1,0 +1,258 @@
+"""The lexical index: the terms of every active memory, for recall's keyword arm.
+
+Projection `lexical` keeps `lexical_docs` equal to {active memories} (the same rows the
+vector index holds, recomputed the same way: from the *current* rows of `mem_versions`
+for the slots a batch touches, `projections.vectors.touched` / `slots_of`), each with
+its set of terms. Searched by `search`, always inside one principal's scope in SQL.
+
+Terms (`terms`): the text is NFKC-normalised and casefolded; a run of latin letters or
+digits is one term, with one common English inflection stripped (the default
+embedder's `light_stem`: "groups" -> "group"; measured on the LoCoMo development split,
+docs/recall.md); a run of CJK characters (ideographs, kana, hangul) gives its
+character bigrams (a one-character run: that character). Bigrams need no dictionary,
+match any Chinese word of two or more characters and are what CJK full-text indexes
+commonly use. A memory's entry is the *set* of its terms, sorted: no order, no
+positions, no counts, so the index cannot give the text back; it still tells which
+words a memory contains, which is why a forget deletes the entry (R20).
+
+Backends:
+
+- SQLite: FTS5, contentless (`content=''`, `detail=column`), so the index stores only
+  term -> row lists; triggers on `lexical_docs` keep it equal to that table, and a
+  batch with a forget merges the index (`optimize`) so the forgotten terms leave its
+  segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
+  BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
+  the match itself and again on the joined row.
+- PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
+  `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
+  row. Deleting the row deletes its index entries (VACUUM reclaims them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Sequence
+from typing import Any, Final
+
+from sqlalchemy import and_, delete, func, literal_column, or_, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.forgets import Tombstone, covers_sql
+from ledger.records import StoredEvent
+from ledger.store import Store
+from projections.embedding import light_stem
+from projections.protocol import finished, progressed
+from projections.reads import Principal, not_forgotten
+from projections.sql import chunks, insert_rows, page_after, prefix_match, prefix_range
+from projections.vectors import memory_text, slots_of, touched
+
+#: `meta` row: events after this position may have been indexed from a lagging view.
+PENDING_META: Final = "lexical.pending_after"
+#: Terms of a query used at most (the first ones, in order of appearance).
+MAX_QUERY_TERMS: Final = 32
+SEP: Final = "\x1f"
+
+_TERM: Final = re.compile(
+    r"(?P<lat>[0-9a-z\u00c0-\u024f\u0370-\u03ff\u0400-\u04ff]+)"
+    r"|(?P<cjk>[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+)")
+
+
+def _ordered_terms(text: str) -> list[str]:
+    out: list[str] = []
+    for m in _TERM.finditer(unicodedata.normalize("NFKC", text).casefold()):
+        tok = m.group()
+        if m.lastgroup == "cjk" and len(tok) > 1:
+            out.extend(tok[i:i + 2] for i in range(len(tok) - 1))
+        elif m.lastgroup == "lat":
+            out.append(light_stem(tok))
+        else:
+            out.append(tok)
+    return out
+
+
+def terms(text: str) -> list[str]:
+    """The sorted set of a text's terms (latin words; CJK character bigrams)."""
+    return sorted(set(_ordered_terms(text)))
+
+
+def query_terms(text: str) -> list[str]:
+    """A query's distinct terms in order of appearance, at most `MAX_QUERY_TERMS`."""
+    return list(dict.fromkeys(_ordered_terms(text)))[:MAX_QUERY_TERMS]
+
+
+def scope_term(tenant: str, user: str) -> str:
+    """The hashed principal a memory belongs to: the FTS5 filter term (no name in it)."""
+    return "p" + hashlib.blake2b(f"{tenant}{SEP}{user}".encode(), digest_size=10).hexdigest()
+
+
+def docid(tenant: str, item_id: str) -> int:
+    """The entry's full-text row id: a deterministic positive 63-bit hash."""
+    h = hashlib.blake2b(f"{tenant}{SEP}{item_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") >> 1
+
+
+def doc_rows(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The `lexical_docs` rows of active `mem_versions` rows (tenant, memory_id, ns_path,
+    mkey, layer, task_key, session_id, value, text)."""
+    out = []
+    for r in rows:
+        user = r.ns_path.split(SEP)[1] if r.ns_path.count(SEP) >= 2 else ""
+        out.append({"tenant": r.tenant, "item_id": r.memory_id,
+                    "docid": docid(r.tenant, r.memory_id), "ns_path": r.ns_path,
+                    "layer": r.layer, "task_key": r.task_key, "session_id": r.session_id,
+                    "scope": scope_term(r.tenant, user),
+                    "terms": " ".join(terms(memory_text(r.mkey, r.value, r.text)))})
+    return out
+
+
+_MEM_COLUMNS: Final = ("tenant", "memory_id", "ns_path", "mkey", "layer", "task_key",
+                       "session_id", "value", "text")
+
+
+class LexicalProjection:
+    """Keeps `lexical_docs` (and, on SQLite, its FTS5 index) equal to {active memories}."""
+
+    name = "lexical"
+    tables = (t.lexical_docs,)
+    types: tuple[str, ...] | None = None  # any event may touch an indexed memory
+    depends_on: tuple[str, ...] = ("memories",)
+
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """One step of a bulk load: index the active memories by primary key."""
+        mv = t.mem_versions.c
+        rows = await page_after(conn, select(*[mv[c] for c in _MEM_COLUMNS]).where(
+            mv.status == "active", not_forgotten()), (mv.tenant, mv.memory_id),
+            state.get("after"), size)
+        await insert_rows(store, conn, t.lexical_docs, doc_rows(rows))
+        if len(rows) < size:
+            return finished(state)
+        state["after"] = [rows[-1].tenant, rows[-1].memory_id]
+        return progressed(state, len(rows))
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        """Recompute the entries of every memory slot the batch touches.
+
+        As `projections.vectors` does: when `memories` lags behind this batch, the
+        range it could not settle is kept (`meta` row `lexical.pending_after`) and
+        read again with the next batch, so the index converges.
+        """
+        start, end = batch[0].position, batch[-1].position
+        events: list[StoredEvent] = list(batch)
+        pending = await _meta_int(conn, PENDING_META)
+        if pending is not None and pending < start - 1:
+            after = pending
+            while after < start - 1:
+                more = await store.read_events(conn, after, 2000, upto=start - 1)
+                if not more:
+                    break
+                events.extend(more)
+                after = more[-1].position
+        await self._sync(store, conn, events, end)
+        cp = t.checkpoints.c
+        seen = (await conn.execute(select(cp.position).where(cp.name == "memories"))
+                ).scalar()
+        await conn.execute(delete(t.meta).where(t.meta.c.name == PENDING_META))
+        if int(seen or 0) < end:
+            await conn.execute(t.meta.insert().values(name=PENDING_META,
+                                                      value=str(int(seen or 0))))
+
+    async def _sync(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent], upto: int) -> None:
+        touch = touched(batch)
+        tombs = await touch.tombstones(store, conn, upto)
+        ld, mv = t.lexical_docs.c, t.mem_versions.c
+        for ts in tombs:
+            await conn.execute(delete(t.lexical_docs).where(ld.tenant == ts.tenant,
+                                                            _covered(ts)))
+        slots = await slots_of(conn, touch.mem_ids, touch.slots, tombs)
+        every: list[tuple[str, str]] = list(touch.mem_ids)
+        wanted: list[Any] = []
+        for chunk in chunks(sorted(slots)):
+            q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+            every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
+            q2 = select(*[mv[c] for c in _MEM_COLUMNS]).where(
+                mv.slot.in_(chunk), mv.status == "active", not_forgotten())
+            wanted.extend((await conn.execute(q2)).all())
+        grouped: dict[str, list[str]] = {}
+        for tenant, item in sorted(set(every)):
+            grouped.setdefault(tenant, []).append(item)
+        for tenant, items in grouped.items():
+            for part in chunks(items):
+                await conn.execute(delete(t.lexical_docs).where(
+                    ld.tenant == tenant, ld.item_id.in_(part)))
+        await insert_rows(store, conn, t.lexical_docs, doc_rows(wanted))
+        if tombs and store.dialect == "sqlite":
+            # A contentless FTS5 delete only records the deletion; merging the segments
+            # drops the forgotten terms from the index's own pages (R20).
+            await conn.exec_driver_sql(
+                f"INSERT INTO {t.LEXICAL_FTS}({t.LEXICAL_FTS}) VALUES ('optimize')")
+
+
+async def _meta_int(conn: AsyncConnection, name: str) -> int | None:
+    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == name))).first()
+    return int(row[0]) if row is not None else None
+
+
+def _covered(ts: Tombstone) -> Any:
+    """SQL over `lexical_docs`: entries a tombstone reaches (key from `mem_versions`)."""
+    ld, mv = t.lexical_docs.c, t.mem_versions.c
+    mkey = select(mv.mkey).where(mv.tenant == ld.tenant, mv.memory_id == ld.item_id
+                                 ).scalar_subquery()
+    return covers_sql(ts, ld, memory_id=ld.item_id, mkey=mkey)
+
+
+def _layers(task: str | None, session: str | None) -> Any:
+    ld = t.lexical_docs.c
+    conds = [ld.layer == "long"]
+    if task is not None:
+        conds.append(and_(ld.layer == "task", ld.task_key == task))
+    if session is not None:
+        conds.append(and_(ld.layer == "session", ld.session_id == session))
+    return or_(*conds)
+
+
+async def search(conn: AsyncConnection, store: Store, who: Principal, query: str, *,
+                 task: str | None, session: str | None, k: int) -> list[tuple[str, float]]:
+    """The principal's memory ids that share terms with the query, with their score
+    (higher is better), best first, at most `k`: long-term ones and those of the given
+    task and session only (R2, R24)."""
+    qt = query_terms(query)
+    if not qt:
+        return []
+    ld = t.lexical_docs.c
+    scope = [ld.tenant == who.tenant, prefix_match(ld.ns_path, who.prefix),
+             *prefix_range(store, ld.ns_path, who.prefix), _layers(task, session)]
+    if store.dialect == "sqlite":
+        match = (f'scope : "{scope_term(who.tenant, who.user)}" AND terms : ('
+                 + " OR ".join(f'"{x}"' for x in qt) + ")")
+        layers = ["d.layer = 'long'"]
+        if task is not None:
+            layers.append("(d.layer = 'task' AND d.task_key = :task)")
+        if session is not None:
+            layers.append("(d.layer = 'session' AND d.session_id = :session)")
+        # CROSS JOIN fixes the join order: SQLite must start from the full-text match,
+        # not scan the principal's rows and run the match once per row (seconds). The
+        # scope is the one of the SQL above: tenant, namespace prefix, layers.
+        q = text(
+            f"SELECT d.item_id, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
+            f"FROM {t.LEXICAL_FTS} CROSS JOIN lexical_docs AS d "
+            f"ON d.docid = {t.LEXICAL_FTS}.rowid "
+            f"WHERE {t.LEXICAL_FTS} MATCH :match AND d.tenant = :tenant "
+            "AND substr(d.ns_path, 1, :plen) = :prefix "
+            f"AND ({' OR '.join(layers)}) ORDER BY s DESC, d.item_id LIMIT :k")
+        params = {"match": match, "tenant": who.tenant, "plen": len(who.prefix),
+                  "prefix": who.prefix, "task": task, "session": session, "k": k}
+        params = {n: v for n, v in params.items() if f":{n}" in q.text}
+        return [(r[0], float(r[1])) for r in (await conn.execute(q, params)).all()]
+    cfg: Any = literal_column("'simple'::regconfig")
+    tsv = func.to_tsvector(cfg, ld.terms)
+    tsq = func.to_tsquery(cfg, " | ".join(f"'{x}'" for x in qt))
+    rank = func.ts_rank(tsv, tsq)
+    pq = (select(ld.item_id, rank).where(tsv.op("@@")(tsq), *scope)
+          .order_by(rank.desc(), ld.item_id).limit(k))
+    return [(r[0], float(r[1])) for r in (await conn.execute(pq)).all()]
