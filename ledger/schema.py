@@ -36,7 +36,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0004_shard_checkpoints"
+SCHEMA_REVISION: Final = "0005_lexical"
 
 metadata = MetaData()
 
@@ -375,6 +375,14 @@ _PG_LEXICAL_DDL: Final = (
     "CREATE INDEX IF NOT EXISTS ix_lexical_tsv ON lexical_docs "
     "USING gin (to_tsvector('simple'::regconfig, terms))",
 )
+#: Objects made by the raw DDL above, per dialect, as (kind, name): outside `metadata`,
+#: so `memledger db check` skips them in Alembic's comparison (with FTS5's shadow
+#: tables, `lexical_fts_*`) and checks instead that each exists.
+DDL_OBJECTS: Final = {
+    "sqlite": (("table", LEXICAL_FTS), ("trigger", "lexical_docs_ai"),
+               ("trigger", "lexical_docs_ad"), ("trigger", "lexical_docs_au")),
+    "postgresql": (("index", "ix_lexical_tsv"),),
+}
 for _stmt in _SQLITE_LEXICAL_DDL:
     event.listen(lexical_docs, "after_create",
                  DDL(_stmt).execute_if(dialect="sqlite"))  # type: ignore[no-untyped-call]

@@ -30,7 +30,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, make_url
 
 from ledger import schema as t
@@ -179,9 +179,41 @@ def _check(conn: Connection) -> dict[str, Any]:
     if state["state"] != "current":
         problems.append(f"revision {state['revision'] or state['state']} is not the head "
                         f"{state['head']}: run `memledger db upgrade`")
-    ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+    ctx = MigrationContext.configure(conn, opts={"compare_type": True,
+                                                 "include_name": _compared})
     problems.extend(_describe(d) for d in compare_metadata(ctx, t.metadata))
+    problems.extend(f"missing {kind} {name}" for kind, name in _missing_ddl_objects(conn))
     return {**state, "ok": not problems, "differences": problems}
+
+
+def _ddl_names() -> set[str]:
+    return {name for objects in t.DDL_OBJECTS.values() for _, name in objects}
+
+
+def _compared(name: str | None, type_: str, parent_names: Any) -> bool:
+    """Alembic compares everything but the objects `ledger.schema` makes by raw DDL
+    (and FTS5's shadow tables of its full-text table), which `_missing_ddl_objects`
+    checks instead."""
+    if name is None:
+        return True
+    return name not in _ddl_names() and not name.startswith(f"{t.LEXICAL_FTS}_")
+
+
+def _missing_ddl_objects(conn: Connection) -> list[tuple[str, str]]:
+    """The raw-DDL objects of this dialect that the database lacks."""
+    dialect = conn.dialect.name
+    missing: list[tuple[str, str]] = []
+    for kind, name in t.DDL_OBJECTS.get(dialect, ()):
+        if dialect == "sqlite":
+            q = text("SELECT 1 FROM sqlite_master WHERE type = :k AND name = :n")
+            found = conn.execute(q, {"k": kind, "n": name}).first()
+        else:
+            q = text("SELECT 1 FROM pg_indexes WHERE indexname = :n "
+                     "AND schemaname = current_schema()")
+            found = conn.execute(q, {"n": name}).first()
+        if found is None:
+            missing.append((kind, name))
+    return missing
 
 
 async def check(url: str | None = None) -> dict[str, Any]:

@@ -151,6 +151,23 @@ async def test_check_fails_on_hand_made_drift(db_url: str, tmp_path: Path) -> No
     assert b"difference" in proc.stderr
 
 
+async def test_check_sees_the_full_text_index_made_outside_the_models(db_url: str) -> None:
+    """The lexical arm's full-text objects are made by raw DDL (SQLite: an FTS5 table and
+    triggers; PostgreSQL: a GIN expression index): `db check` does not report them as
+    extra, and does report one that is missing."""
+    store = Store(db_url)
+    await store.open()
+    assert (await migrations.check(db_url))["ok"]
+    drop = ("DROP TRIGGER lexical_docs_ad" if store.dialect == "sqlite"
+            else "DROP INDEX ix_lexical_tsv")
+    async with store.engine.begin() as conn:
+        await conn.execute(text(drop))
+    await store.close()
+    res = await migrations.check(db_url)
+    assert res["ok"] is False
+    assert any(d.startswith("missing") and d.split()[-1] in drop for d in res["differences"])
+
+
 async def test_downgrade_steps_back_and_open_says_so(db_url: str) -> None:
     """`db downgrade` goes back one revision; the store then refuses to open with the
     upgrade command; `db upgrade` returns it to the head. The baseline cannot go back."""
