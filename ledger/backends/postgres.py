@@ -9,7 +9,7 @@ projections behind its snapshot; after an erasure the content tables are vacuume
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar, Final
 
@@ -83,6 +83,7 @@ class PostgresRecorder(Recorder):
 
     name: ClassVar[str] = "postgresql"
     integrity_check_name: ClassVar[str] = "postgresql amcheck"
+    insert_events_sql: ClassVar[str | None] = _INSERT_EVENTS
 
     def __init__(self, url: str, *, pool_size: int = 5) -> None:
         super().__init__(url, pool_size=pool_size)
@@ -122,15 +123,6 @@ class PostgresRecorder(Recorder):
     async def lock_events(self, conn: AsyncConnection) -> None:
         await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
-
-    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
-                            ) -> None:
-        # As on SQLite: plain tuples in column order go straight to asyncpg's
-        # executemany, without SQLAlchemy's per-row parameter processing.
-        if self.vault is not None:
-            self.vault.seal_rows(rows)  # content encrypted, as in `Recorder.insert_events`
-        await conn.exec_driver_sql(_INSERT_EVENTS, [
-            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
     async def begin_snapshot(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))

@@ -79,6 +79,7 @@ class SQLiteRecorder(Recorder):
 
     name: ClassVar[str] = "sqlite"
     integrity_check_name: ClassVar[str] = "sqlite quick_check, integrity_check"
+    insert_events_sql: ClassVar[str | None] = _INSERT_EVENTS
 
     def __init__(self, url: str, *, pool_size: int = 5, write_turns: bool = False) -> None:
         super().__init__(url, pool_size=pool_size)
@@ -162,15 +163,6 @@ class SQLiteRecorder(Recorder):
                 yield conn
         except (DatabaseError, OSError) as e:
             raise_translated(e)
-
-    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
-                            ) -> None:
-        # SQLAlchemy's per-row parameter processing cost ~10 us a row here; the driver
-        # takes plain tuples in column order (no type needs converting).
-        if self.vault is not None:
-            self.vault.seal_rows(rows)  # content encrypted, as in `Recorder.insert_events`
-        await conn.exec_driver_sql(_INSERT_EVENTS, [
-            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
 
     async def after_import(self, conn: AsyncConnection) -> None:
         return  # a new integer key is the largest one plus one
