@@ -252,3 +252,26 @@ def test_master_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(VaultError, match="32 bytes") as e:
         key_store_for(url)
     assert "c2hvcnQ=" not in str(e.value)
+
+
+async def test_sdk_get_on_a_sqlite_file_opens_sealed_views(sqlite_url: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """With the vault on, `Principal.get` on a SQLite file (where reads otherwise take
+    the calling thread's raw sqlite3 connection, which skips the sealed columns' types)
+    returns the plaintext, while the view row holds only ciphertext (R20, R24)."""
+    import memledger
+
+    monkeypatch.setenv("MEMLEDGER_VAULT", "on")
+    async with memledger.MemoryLedger(sqlite_url,
+                                      register_path=str(tmp_path / "l.forgets")) as ml:
+        assert ml.store.vault is not None
+        u7 = ml.principal("shop-a", "u7")
+        await u7.remember(["preferences"], "pin", SECRET,
+                          source=memledger.Source.user_request("C1", seq=1))
+        got = await u7.get(["preferences"], "pin")
+        assert got is not None and got.value == SECRET
+        async with ml.store.read() as conn:
+            raw = (await conn.execute(select(type_coerce(t.mem_versions.c.value,
+                                                         LargeBinary)))).scalars().all()
+        assert raw and all(SECRET.encode() not in bytes(v) for v in raw)
