@@ -67,8 +67,8 @@ def test_help_lists_the_commands_by_audience() -> None:
     groups = _groups(proc.stdout.decode())
     assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE, server.TITLE]
     assert groups[app.TITLE] == ["append", "publish", "get", "recall", "history", "tasks"]
-    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "db", "backup",
-                                      "restore"]
+    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "shards", "db",
+                                      "backup", "restore", "vault"]
     assert groups[workers.TITLE] == ["worker", "dead-letters"]
     assert groups[server.TITLE] == ["serve", "keys"]
     listed = [c for names in groups.values() for c in names]
