@@ -375,13 +375,18 @@ _PG_LEXICAL_DDL: Final = (
     "CREATE INDEX IF NOT EXISTS ix_lexical_tsv ON lexical_docs "
     "USING gin (to_tsvector('simple'::regconfig, terms))",
 )
-#: Objects made by the raw DDL above, per dialect, as (kind, name): outside `metadata`,
-#: so `memledger db check` skips them in Alembic's comparison (with FTS5's shadow
-#: tables, `lexical_fts_*`) and checks instead that each exists.
+#: Objects made by the raw DDL above, per dialect, as (kind, name, a query that returns
+#: a row when the object exists): outside `metadata`, so `memledger db check` skips
+#: them in Alembic's comparison (with FTS5's shadow tables, `lexical_fts_*`) and runs
+#: each query instead.
+_SQLITE_OBJECT: Final = "SELECT 1 FROM sqlite_master WHERE type = '{kind}' AND name = '{name}'"
+_PG_INDEX: Final = ("SELECT 1 FROM pg_indexes WHERE indexname = '{name}' "
+                    "AND schemaname = current_schema()")
 DDL_OBJECTS: Final = {
-    "sqlite": (("table", LEXICAL_FTS), ("trigger", "lexical_docs_ai"),
-               ("trigger", "lexical_docs_ad"), ("trigger", "lexical_docs_au")),
-    "postgresql": (("index", "ix_lexical_tsv"),),
+    "sqlite": tuple((kind, name, _SQLITE_OBJECT.format(kind=kind, name=name)) for kind, name in (
+        ("table", LEXICAL_FTS), ("trigger", "lexical_docs_ai"),
+        ("trigger", "lexical_docs_ad"), ("trigger", "lexical_docs_au"))),
+    "postgresql": (("index", "ix_lexical_tsv", _PG_INDEX.format(name="ix_lexical_tsv")),),
 }
 for _stmt in _SQLITE_LEXICAL_DDL:
     event.listen(lexical_docs, "after_create",

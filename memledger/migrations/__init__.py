@@ -187,7 +187,7 @@ def _check(conn: Connection) -> dict[str, Any]:
 
 
 def _ddl_names() -> set[str]:
-    return {name for objects in t.DDL_OBJECTS.values() for _, name in objects}
+    return {obj[1] for objects in t.DDL_OBJECTS.values() for obj in objects}
 
 
 def _compared(name: str | None, type_: str, parent_names: Any) -> bool:
@@ -200,20 +200,9 @@ def _compared(name: str | None, type_: str, parent_names: Any) -> bool:
 
 
 def _missing_ddl_objects(conn: Connection) -> list[tuple[str, str]]:
-    """The raw-DDL objects of this dialect that the database lacks."""
-    dialect = conn.dialect.name
-    missing: list[tuple[str, str]] = []
-    for kind, name in t.DDL_OBJECTS.get(dialect, ()):
-        if dialect == "sqlite":
-            q = text("SELECT 1 FROM sqlite_master WHERE type = :k AND name = :n")
-            found = conn.execute(q, {"k": kind, "n": name}).first()
-        else:
-            q = text("SELECT 1 FROM pg_indexes WHERE indexname = :n "
-                     "AND schemaname = current_schema()")
-            found = conn.execute(q, {"n": name}).first()
-        if found is None:
-            missing.append((kind, name))
-    return missing
+    """The raw-DDL objects of this database's kind that it lacks."""
+    return [(kind, name) for kind, name, exists in t.DDL_OBJECTS.get(conn.dialect.name, ())
+            if conn.execute(text(exists)).first() is None]
 
 
 async def check(url: str | None = None) -> dict[str, Any]:
