@@ -22,10 +22,14 @@ Backends:
   batch with a forget merges the index (`optimize`) so the forgotten terms leave its
   segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
   BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
-  the match itself and again on the joined row.
+  the match itself and again on the joined row; FTS5's best are taken before the join.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
-  row. Deleting the row deletes its index entries (VACUUM reclaims them).
+  row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
+  entries (VACUUM reclaims them).
+
+Query terms in more than `MAX_DF_FRACTION` of the entries are dropped before matching
+(`frequent_terms`): they cost a score per matching entry and add next to nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from sqlalchemy import and_, delete, func, literal_column, or_, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -244,27 +249,30 @@ def _averages_rows(block: bytes) -> int:
 async def _sqlite_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
     """Query terms in more than `MAX_DF_FRACTION` of the index's entries (SQLite).
 
-    Entry count from FTS5's own "averages" record (what `bm25` reads), each term's
-    document count from an `fts5vocab` view of the index (a per-connection TEMP table:
-    no schema object); both cost a look-up, not a scan of the matches.
+    One statement: the entry count from FTS5's own "averages" record (what `bm25`
+    reads) and each term's document count from an `fts5vocab` view of the index (a
+    per-connection TEMP table, created on first use: no schema object); look-ups, not
+    a scan of the matches.
     """
-    raw = await conn.exec_driver_sql(
-        f"SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1")
-    row = raw.first()
-    total = _averages_rows(bytes(row[0])) if row is not None and row[0] else 0
+    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
+             f"FROM temp.{VOCAB} WHERE col = 'terms' AND term IN "
+             f"({', '.join(f':t{i}' for i in range(len(qt)))})")
+    params = {f"t{i}": x for i, x in enumerate(qt)}
+    try:
+        rows = (await conn.execute(q, params)).all()
+    except OperationalError as e:
+        if f"no such table: temp.{VOCAB}" not in str(e):
+            raise
+        await conn.exec_driver_sql(
+            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{VOCAB} "
+            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
+        rows = (await conn.execute(q, params)).all()
+    if not rows or not rows[0][0]:
+        return set()
+    total = _averages_rows(bytes(rows[0][0]))
     if total < MIN_DF_DOCS:
         return set()
-    await conn.exec_driver_sql(
-        f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{VOCAB} "
-        f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
-    q = text(f"SELECT term, doc FROM temp.{VOCAB} WHERE col = 'terms' AND term = :term")
-    cut = MAX_DF_FRACTION * total
-    out = set()
-    for x in qt:
-        r = (await conn.execute(q, {"term": x})).first()
-        if r is not None and int(r[1]) > cut:
-            out.add(x)
-    return out
+    return {r[1] for r in rows if int(r[2]) > MAX_DF_FRACTION * total}
 
 
 async def _pg_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
