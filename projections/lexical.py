@@ -22,10 +22,14 @@ Backends:
   batch with a forget merges the index (`optimize`) so the forgotten terms leave its
   segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
   BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
-  the match itself and again on the joined row.
+  the match itself and again on the joined row; FTS5's best are taken before the join.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
-  row. Deleting the row deletes its index entries (VACUUM reclaims them).
+  row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
+  entries (VACUUM reclaims them).
+
+Query terms in more than `MAX_DF_FRACTION` of the entries are dropped before matching
+(`frequent_terms`): they cost a score per matching entry and add next to nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from sqlalchemy import and_, delete, func, literal_column, or_, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -53,6 +58,19 @@ from projections.vectors import memory_text, slots_of, touched
 PENDING_META: Final = "lexical.pending_after"
 #: Terms of a query used at most (the first ones, in order of appearance).
 MAX_QUERY_TERMS: Final = 32
+#: A query term in more than this fraction of the index's entries is dropped (its BM25
+#: IDF is next to nothing, and matching it costs a score per entry). Chosen on the
+#: LoCoMo development split (docs/recall.md, "The lexical arm's cost").
+MAX_DF_FRACTION: Final = 0.05
+#: Below this many entries no term is dropped (fractions of a few entries mean nothing).
+MIN_DF_DOCS: Final = 50
+#: FTS5's best `FTS_FACTOR x k` entries are joined to their rows, of which `k` are kept
+#: (the join re-checks tenant, namespace prefix and layer, which may drop some).
+FTS_FACTOR: Final = 2
+#: PostgreSQL: matching rows ranked by `ts_rank` at most (taken in index order).
+PG_MATCH_CAP: Final = 2000
+#: Per-connection TEMP `fts5vocab` view of the index (term document counts).
+VOCAB: Final = "lexical_vocab"
 SEP: Final = "\x1f"
 
 _TERM: Final = re.compile(
@@ -216,14 +234,82 @@ def _layers(task: str | None, session: str | None) -> Any:
     return or_(*conds)
 
 
+def _averages_rows(block: bytes) -> int:
+    """The row count at the start of FTS5's "averages" record (a SQLite varint)."""
+    n = 0
+    for i, b in enumerate(block[:9]):
+        if i == 8:
+            return (n << 8) | b
+        n = (n << 7) | (b & 0x7F)
+        if b < 0x80:
+            return n
+    return n
+
+
+async def _sqlite_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
+    """Query terms in more than `MAX_DF_FRACTION` of the index's entries (SQLite).
+
+    One statement: the entry count from FTS5's own "averages" record (what `bm25`
+    reads) and each term's document count from an `fts5vocab` view of the index (a
+    per-connection TEMP table, created on first use: no schema object); look-ups, not
+    a scan of the matches.
+    """
+    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
+             f"FROM temp.{VOCAB} WHERE col = 'terms' AND term IN "
+             f"({', '.join(f':t{i}' for i in range(len(qt)))})")
+    params = {f"t{i}": x for i, x in enumerate(qt)}
+    try:
+        rows = (await conn.execute(q, params)).all()
+    except OperationalError as e:
+        if f"no such table: temp.{VOCAB}" not in str(e):
+            raise
+        await conn.exec_driver_sql(
+            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{VOCAB} "
+            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
+        rows = (await conn.execute(q, params)).all()
+    if not rows or not rows[0][0]:
+        return set()
+    total = _averages_rows(bytes(rows[0][0]))
+    if total < MIN_DF_DOCS:
+        return set()
+    return {r[1] for r in rows if int(r[2]) > MAX_DF_FRACTION * total}
+
+
+async def _pg_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
+    """Query terms in more than `MAX_DF_FRACTION` of the entries (PostgreSQL): from the
+    planner's statistics of the GIN expression (`pg_stats` of `ix_lexical_tsv`, the
+    most common elements and their frequencies, kept by ANALYZE); none before one."""
+    row = (await conn.execute(text(
+        "SELECT most_common_elems::text::text[], most_common_elem_freqs FROM pg_stats "
+        "WHERE schemaname = current_schema() AND tablename = 'ix_lexical_tsv' LIMIT 1"))).first()
+    if row is None or row[0] is None or row[1] is None:
+        return set()
+    freq = dict(zip(row[0], row[1], strict=False))
+    return {x for x in qt if float(freq.get(x, 0.0)) > MAX_DF_FRACTION}
+
+
+async def frequent_terms(conn: AsyncConnection, store: Store, qt: Sequence[str]) -> set[str]:
+    """Those of the query terms `qt` in more than `MAX_DF_FRACTION` of the entries."""
+    if store.dialect == "sqlite":
+        return await _sqlite_frequent(conn, qt)
+    return await _pg_frequent(conn, qt)
+
+
 async def search(conn: AsyncConnection, store: Store, who: Principal, query: str, *,
                  task: str | None, session: str | None, k: int) -> list[tuple[str, float]]:
     """The principal's memory ids that share terms with the query, with their score
     (higher is better), best first, at most `k`: long-term ones and those of the given
-    task and session only (R2, R24)."""
+    task and session only (R2, R24).
+
+    Bounded work: query terms in more than `MAX_DF_FRACTION` of the index's entries are
+    dropped (their IDF is next to nothing; a query of only such terms keeps them all),
+    and the full-text engine's best `FTS_FACTOR x k` are taken before any join.
+    """
     qt = query_terms(query)
     if not qt:
         return []
+    frequent = await frequent_terms(conn, store, qt)
+    qt = [x for x in qt if x not in frequent] or qt
     ld = t.lexical_docs.c
     scope = [ld.tenant == who.tenant, prefix_match(ld.ns_path, who.prefix),
              *prefix_range(store, ld.ns_path, who.prefix), _layers(task, session)]
@@ -235,24 +321,29 @@ async def search(conn: AsyncConnection, store: Store, who: Principal, query: str
             layers.append("(d.layer = 'task' AND d.task_key = :task)")
         if session is not None:
             layers.append("(d.layer = 'session' AND d.session_id = :session)")
-        # CROSS JOIN fixes the join order: SQLite must start from the full-text match,
-        # not scan the principal's rows and run the match once per row (seconds). The
-        # scope is the one of the SQL above: tenant, namespace prefix, layers.
+        # FTS5's best by bm25 (the scope column weighted 0) first, in a subquery with
+        # its own LIMIT (never flattened into the join), then only those
+        # are joined to their `lexical_docs` rows and checked for tenant, namespace
+        # prefix and layer; CROSS JOIN keeps SQLite from starting at lexical_docs.
         q = text(
-            f"SELECT d.item_id, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
-            f"FROM {t.LEXICAL_FTS} CROSS JOIN lexical_docs AS d "
-            f"ON d.docid = {t.LEXICAL_FTS}.rowid "
-            f"WHERE {t.LEXICAL_FTS} MATCH :match AND d.tenant = :tenant "
-            "AND substr(d.ns_path, 1, :plen) = :prefix "
-            f"AND ({' OR '.join(layers)}) ORDER BY s DESC, d.item_id LIMIT :k")
+            "SELECT d.item_id, f.s FROM ("
+            f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
+            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
+            "ORDER BY s DESC LIMIT :fk) AS f "
+            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid "
+            "WHERE d.tenant = :tenant AND substr(d.ns_path, 1, :plen) = :prefix "
+            f"AND ({' OR '.join(layers)}) ORDER BY f.s DESC, d.item_id LIMIT :k")
         params = {"match": match, "tenant": who.tenant, "plen": len(who.prefix),
-                  "prefix": who.prefix, "task": task, "session": session, "k": k}
+                  "prefix": who.prefix, "task": task, "session": session, "k": k,
+                  "fk": FTS_FACTOR * k}
         params = {n: v for n, v in params.items() if f":{n}" in q.text}
         return [(r[0], float(r[1])) for r in (await conn.execute(q, params)).all()]
     cfg: Any = literal_column("'simple'::regconfig")
     tsv = func.to_tsvector(cfg, ld.terms)
     tsq = func.to_tsquery(cfg, " | ".join(f"'{x}'" for x in qt))
-    rank = func.ts_rank(tsv, tsq)
-    pq = (select(ld.item_id, rank).where(tsv.op("@@")(tsq), *scope)
-          .order_by(rank.desc(), ld.item_id).limit(k))
+    # ts_rank over a bounded set: at most `PG_MATCH_CAP` matching rows of the scope.
+    hits = (select(ld.item_id.label("item_id"), ld.terms.label("terms"))
+            .where(tsv.op("@@")(tsq), *scope).limit(PG_MATCH_CAP).subquery())
+    rank = func.ts_rank(func.to_tsvector(cfg, hits.c.terms), tsq)
+    pq = (select(hits.c.item_id, rank).order_by(rank.desc(), hits.c.item_id).limit(k))
     return [(r[0], float(r[1])) for r in (await conn.execute(pq)).all()]

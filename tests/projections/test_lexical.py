@@ -19,7 +19,15 @@ from ledger.store import Store
 from ledger.validation import parse_event
 from projections import reads
 from projections.candidates import fuse
-from projections.lexical import docid, scope_term, search, terms
+from projections.lexical import (
+    MAX_DF_FRACTION,
+    MIN_DF_DOCS,
+    docid,
+    frequent_terms,
+    scope_term,
+    search,
+    terms,
+)
 from projections.recall import recall
 from projections.runner import Runner
 from replay.rebuild import rebuild
@@ -103,6 +111,23 @@ async def test_session_entries_only_in_their_session(store: Store) -> None:
     assert await found(store, U7, "refund A123", session="C17") == ["S1"]
     assert await found(store, U7, "refund A123", session="C18") == []
     assert await found(store, U7, "refund A123") == []
+
+
+async def test_terms_in_most_entries_are_dropped_from_the_query(store: Store) -> None:
+    """A query term in more than MAX_DF_FRACTION of the entries is not matched (its IDF
+    is next to nothing); a query of only such terms keeps them."""
+    n = 2 * MIN_DF_DOCS
+    few = max(1, int(n * MAX_DF_FRACTION) // 4)
+    await append(store, *(write(f"note_{i}", f"order note {i}" + (" earbud" if i < few else ""),
+                                memory_id=f"N{i}") for i in range(n)))
+    await Runner(store).catch_up()
+    if store.dialect != "sqlite":
+        async with store.write() as conn:
+            await conn.execute(text("ANALYZE lexical_docs"))
+    async with store.read() as conn:
+        assert await frequent_terms(conn, store, ["order", "earbud"]) == {"order"}
+    assert sorted(await found(store, U7, "order earbud")) == sorted(f"N{i}" for i in range(few))
+    assert len(await found(store, U7, "order")) == 20
 
 
 async def test_forget_removes_entries_and_rebuild_matches(store: Store) -> None:
