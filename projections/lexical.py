@@ -40,8 +40,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, delete, func, literal_column, or_, select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -51,7 +50,16 @@ from ledger.store import Store
 from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
-from projections.sql import chunks, insert_rows, page_after, prefix_match, prefix_range
+from projections.sql import (
+    chunks,
+    insert_rows,
+    lexical_hits,
+    lexical_merge,
+    lexical_term_shares,
+    page_after,
+    prefix_match,
+    prefix_range,
+)
 from projections.vectors import memory_text, slots_of, touched
 
 #: `meta` row: events after this position may have been indexed from a lagging view.
@@ -204,11 +212,8 @@ class LexicalProjection:
                 await conn.execute(delete(t.lexical_docs).where(
                     ld.tenant == tenant, ld.item_id.in_(part)))
         await insert_rows(store, conn, t.lexical_docs, doc_rows(wanted))
-        if tombs and store.dialect == "sqlite":
-            # A contentless FTS5 delete only records the deletion; merging the segments
-            # drops the forgotten terms from the index's own pages (R20).
-            await conn.exec_driver_sql(
-                f"INSERT INTO {t.LEXICAL_FTS}({t.LEXICAL_FTS}) VALUES ('optimize')")
+        if tombs:
+            await lexical_merge(store, conn)
 
 
 async def _meta_int(conn: AsyncConnection, name: str) -> int | None:
@@ -234,65 +239,10 @@ def _layers(task: str | None, session: str | None) -> Any:
     return or_(*conds)
 
 
-def _averages_rows(block: bytes) -> int:
-    """The row count at the start of FTS5's "averages" record (a SQLite varint)."""
-    n = 0
-    for i, b in enumerate(block[:9]):
-        if i == 8:
-            return (n << 8) | b
-        n = (n << 7) | (b & 0x7F)
-        if b < 0x80:
-            return n
-    return n
-
-
-async def _sqlite_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
-    """Query terms in more than `MAX_DF_FRACTION` of the index's entries (SQLite).
-
-    One statement: the entry count from FTS5's own "averages" record (what `bm25`
-    reads) and each term's document count from an `fts5vocab` view of the index (a
-    per-connection TEMP table, created on first use: no schema object); look-ups, not
-    a scan of the matches.
-    """
-    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
-             f"FROM temp.{VOCAB} WHERE col = 'terms' AND term IN "
-             f"({', '.join(f':t{i}' for i in range(len(qt)))})")
-    params = {f"t{i}": x for i, x in enumerate(qt)}
-    try:
-        rows = (await conn.execute(q, params)).all()
-    except OperationalError as e:
-        if f"no such table: temp.{VOCAB}" not in str(e):
-            raise
-        await conn.exec_driver_sql(
-            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{VOCAB} "
-            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
-        rows = (await conn.execute(q, params)).all()
-    if not rows or not rows[0][0]:
-        return set()
-    total = _averages_rows(bytes(rows[0][0]))
-    if total < MIN_DF_DOCS:
-        return set()
-    return {r[1] for r in rows if int(r[2]) > MAX_DF_FRACTION * total}
-
-
-async def _pg_frequent(conn: AsyncConnection, qt: Sequence[str]) -> set[str]:
-    """Query terms in more than `MAX_DF_FRACTION` of the entries (PostgreSQL): from the
-    planner's statistics of the GIN expression (`pg_stats` of `ix_lexical_tsv`, the
-    most common elements and their frequencies, kept by ANALYZE); none before one."""
-    row = (await conn.execute(text(
-        "SELECT most_common_elems::text::text[], most_common_elem_freqs FROM pg_stats "
-        "WHERE schemaname = current_schema() AND tablename = 'ix_lexical_tsv' LIMIT 1"))).first()
-    if row is None or row[0] is None or row[1] is None:
-        return set()
-    freq = dict(zip(row[0], row[1], strict=False))
-    return {x for x in qt if float(freq.get(x, 0.0)) > MAX_DF_FRACTION}
-
-
 async def frequent_terms(conn: AsyncConnection, store: Store, qt: Sequence[str]) -> set[str]:
     """Those of the query terms `qt` in more than `MAX_DF_FRACTION` of the entries."""
-    if store.dialect == "sqlite":
-        return await _sqlite_frequent(conn, qt)
-    return await _pg_frequent(conn, qt)
+    shares = await lexical_term_shares(store, conn, qt, vocab=VOCAB, min_docs=MIN_DF_DOCS)
+    return {x for x, share in shares.items() if share > MAX_DF_FRACTION}
 
 
 async def search(conn: AsyncConnection, store: Store, who: Principal, query: str, *,
@@ -313,37 +263,8 @@ async def search(conn: AsyncConnection, store: Store, who: Principal, query: str
     ld = t.lexical_docs.c
     scope = [ld.tenant == who.tenant, prefix_match(ld.ns_path, who.prefix),
              *prefix_range(store, ld.ns_path, who.prefix), _layers(task, session)]
-    if store.dialect == "sqlite":
-        match = (f'scope : "{scope_term(who.tenant, who.user)}" AND terms : ('
-                 + " OR ".join(f'"{x}"' for x in qt) + ")")
-        layers = ["d.layer = 'long'"]
-        if task is not None:
-            layers.append("(d.layer = 'task' AND d.task_key = :task)")
-        if session is not None:
-            layers.append("(d.layer = 'session' AND d.session_id = :session)")
-        # FTS5's best by bm25 (the scope column weighted 0) first, in a subquery with
-        # its own LIMIT (never flattened into the join), then only those
-        # are joined to their `lexical_docs` rows and checked for tenant, namespace
-        # prefix and layer; CROSS JOIN keeps SQLite from starting at lexical_docs.
-        q = text(
-            "SELECT d.item_id, f.s FROM ("
-            f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
-            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
-            "ORDER BY s DESC LIMIT :fk) AS f "
-            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid "
-            "WHERE d.tenant = :tenant AND substr(d.ns_path, 1, :plen) = :prefix "
-            f"AND ({' OR '.join(layers)}) ORDER BY f.s DESC, d.item_id LIMIT :k")
-        params = {"match": match, "tenant": who.tenant, "plen": len(who.prefix),
-                  "prefix": who.prefix, "task": task, "session": session, "k": k,
-                  "fk": FTS_FACTOR * k}
-        params = {n: v for n, v in params.items() if f":{n}" in q.text}
-        return [(r[0], float(r[1])) for r in (await conn.execute(q, params)).all()]
-    cfg: Any = literal_column("'simple'::regconfig")
-    tsv = func.to_tsvector(cfg, ld.terms)
-    tsq = func.to_tsquery(cfg, " | ".join(f"'{x}'" for x in qt))
-    # ts_rank over a bounded set: at most `PG_MATCH_CAP` matching rows of the scope.
-    hits = (select(ld.item_id.label("item_id"), ld.terms.label("terms"))
-            .where(tsv.op("@@")(tsq), *scope).limit(PG_MATCH_CAP).subquery())
-    rank = func.ts_rank(func.to_tsvector(cfg, hits.c.terms), tsq)
-    pq = (select(hits.c.item_id, rank).order_by(rank.desc(), hits.c.item_id).limit(k))
-    return [(r[0], float(r[1])) for r in (await conn.execute(pq)).all()]
+    rows = await lexical_hits(store, conn, scope_term(who.tenant, who.user), qt,
+                              tenant=who.tenant, prefix=who.prefix, task=task,
+                              session=session, scope=scope, k=k, fts_k=FTS_FACTOR * k,
+                              pg_cap=PG_MATCH_CAP)
+    return [(item, float(score)) for item, score in rows]

@@ -13,13 +13,26 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, String, cast, func, literal, tuple_
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    String,
+    cast,
+    func,
+    literal,
+    literal_column,
+    select,
+    text,
+    tuple_,
+)
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.dialects.postgresql import BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ledger import schema as t
 from ledger.store import Store
 from ledger.vault import seal_columns
 
@@ -172,3 +185,114 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
     if reader is None:
         return None
     return reader.rows(q.sql, q.parameters(values))
+
+
+# -- the lexical index's full-text engine (`projections.lexical`) ------------------------
+
+async def lexical_merge(store: Store, conn: AsyncConnection) -> None:
+    """After entries were deleted for a forget: SQLite merges the contentless FTS5
+    index (a delete there only records the deletion; merging drops the forgotten terms
+    from the index's own pages, R20). PostgreSQL needs nothing: a GIN index loses a
+    row's entries with the row (VACUUM reclaims them)."""
+    if store.dialect == "sqlite":
+        await conn.exec_driver_sql(
+            f"INSERT INTO {t.LEXICAL_FTS}({t.LEXICAL_FTS}) VALUES ('optimize')")
+
+
+def _averages_rows(block: bytes) -> int:
+    """The row count at the start of FTS5's "averages" record (a SQLite varint)."""
+    n = 0
+    for i, b in enumerate(block[:9]):
+        if i == 8:
+            return (n << 8) | b
+        n = (n << 7) | (b & 0x7F)
+        if b < 0x80:
+            return n
+    return n
+
+
+async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
+                              vocab: str, min_docs: int) -> dict[str, float]:
+    """The share of the index's entries holding each of `terms` (those known; none
+    while the index has fewer than `min_docs` entries, or has no statistics yet).
+
+    SQLite, one statement: the entry count from FTS5's own "averages" record (what
+    `bm25` reads) and each term's document count from an `fts5vocab` view of the index
+    (`vocab`: a per-connection TEMP table, created on first use, no schema object):
+    look-ups, not a scan of the matches. PostgreSQL: the planner's statistics of the
+    GIN expression (`pg_stats` of `ix_lexical_tsv`: most common elements and their
+    frequencies, kept by ANALYZE)."""
+    if store.dialect != "sqlite":
+        row = (await conn.execute(text(
+            "SELECT most_common_elems::text::text[], most_common_elem_freqs FROM pg_stats "
+            "WHERE schemaname = current_schema() AND tablename = 'ix_lexical_tsv' LIMIT 1"
+        ))).first()
+        if row is None or row[0] is None or row[1] is None:
+            return {}
+        freq = dict(zip(row[0], row[1], strict=False))
+        return {x: float(freq[x]) for x in terms if x in freq}
+    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
+             f"FROM temp.{vocab} WHERE col = 'terms' AND term IN "
+             f"({', '.join(f':t{i}' for i in range(len(terms)))})")
+    params = {f"t{i}": x for i, x in enumerate(terms)}
+    try:
+        rows = (await conn.execute(q, params)).all()
+    except OperationalError as e:
+        if f"no such table: temp.{vocab}" not in str(e):
+            raise
+        await conn.exec_driver_sql(
+            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{vocab} "
+            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
+        rows = (await conn.execute(q, params)).all()
+    if not rows or not rows[0][0]:
+        return {}
+    total = _averages_rows(bytes(rows[0][0]))
+    if total < min_docs:
+        return {}
+    return {r[1]: int(r[2]) / total for r in rows}
+
+
+async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
+                       terms: Sequence[str], *, tenant: str, prefix: str,
+                       task: str | None, session: str | None, scope: Sequence[Any],
+                       k: int, fts_k: int, pg_cap: int) -> list[tuple[str, Any]]:
+    """The item ids of `lexical_docs` matching any of `terms` inside one principal's
+    scope, with their score (higher is better), best first, at most `k`.
+
+    SQLite: FTS5's best `fts_k` by bm25 (the scope column weighted 0), the principal's
+    hashed `scope_term` required in the match itself, taken in a subquery with its own
+    LIMIT (never flattened into the join); only those are joined to their rows and
+    checked again for tenant, namespace prefix and layer; CROSS JOIN keeps SQLite from
+    starting at `lexical_docs`. PostgreSQL: the rows of `scope` (the same conditions as
+    SQLAlchemy clauses) matching the terms, at most `pg_cap` of them, ranked by
+    `ts_rank`."""
+    if store.dialect == "sqlite":
+        match = (f'scope : "{scope_term}" AND terms : ('
+                 + " OR ".join(f'"{x}"' for x in terms) + ")")
+        layers = ["d.layer = 'long'"]
+        if task is not None:
+            layers.append("(d.layer = 'task' AND d.task_key = :task)")
+        if session is not None:
+            layers.append("(d.layer = 'session' AND d.session_id = :session)")
+        q = text(
+            "SELECT d.item_id, f.s FROM ("
+            f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
+            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
+            "ORDER BY s DESC LIMIT :fk) AS f "
+            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid "
+            "WHERE d.tenant = :tenant AND substr(d.ns_path, 1, :plen) = :prefix "
+            f"AND ({' OR '.join(layers)}) ORDER BY f.s DESC, d.item_id LIMIT :k")
+        params = {"match": match, "tenant": tenant, "plen": len(prefix),
+                  "prefix": prefix, "task": task, "session": session, "k": k,
+                  "fk": fts_k}
+        params = {n: v for n, v in params.items() if f":{n}" in q.text}
+        return [(r[0], r[1]) for r in (await conn.execute(q, params)).all()]
+    ld = t.lexical_docs.c
+    cfg: Any = literal_column("'simple'::regconfig")
+    tsv = func.to_tsvector(cfg, ld.terms)
+    tsq = func.to_tsquery(cfg, " | ".join(f"'{x}'" for x in terms))
+    hits = (select(ld.item_id.label("item_id"), ld.terms.label("terms"))
+            .where(tsv.op("@@")(tsq), *scope).limit(pg_cap).subquery())
+    rank = func.ts_rank(func.to_tsvector(cfg, hits.c.terms), tsq)
+    pq = select(hits.c.item_id, rank).order_by(rank.desc(), hits.c.item_id).limit(k)
+    return [(r[0], r[1]) for r in (await conn.execute(pq)).all()]
