@@ -47,6 +47,7 @@ from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
+from projections import shards
 from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
@@ -60,7 +61,14 @@ from projections.sql import (
     prefix_match,
     prefix_range,
 )
-from projections.vectors import memory_text, slots_of, touched
+from projections.vectors import (
+    get_pending,
+    memory_text,
+    set_pending,
+    slots_of,
+    source_shard_positions,
+    touched,
+)
 
 #: `meta` row: events after this position may have been indexed from a lagging view.
 PENDING_META: Final = "lexical.pending_after"
@@ -168,24 +176,23 @@ class LexicalProjection:
         read again with the next batch, so the index converges.
         """
         start, end = batch[0].position, batch[-1].position
+        # Per shard, as the vector index does: runners of disjoint shards read and
+        # write only their own shards' `meta` rows (one shared row deadlocked them).
+        scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
         events: list[StoredEvent] = list(batch)
-        pending = await _meta_int(conn, PENDING_META)
+        pending = await get_pending(conn, scope, PENDING_META)
         if pending is not None and pending < start - 1:
             after = pending
             while after < start - 1:
                 more = await store.read_events(conn, after, 2000, upto=start - 1)
                 if not more:
                     break
-                events.extend(more)
+                events.extend(se for se in more if scope.covers(se.tenant))
                 after = more[-1].position
         await self._sync(store, conn, events, end)
-        cp = t.checkpoints.c
-        seen = (await conn.execute(select(cp.position).where(cp.name == "memories"))
-                ).scalar()
-        await conn.execute(delete(t.meta).where(t.meta.c.name == PENDING_META))
-        if int(seen or 0) < end:
-            await conn.execute(t.meta.insert().values(name=PENDING_META,
-                                                      value=str(int(seen or 0))))
+        lag = await source_shard_positions(conn, scope, self.depends_on)
+        await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end},
+                          PENDING_META)
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent], upto: int) -> None:
@@ -214,11 +221,6 @@ class LexicalProjection:
         await insert_rows(store, conn, t.lexical_docs, doc_rows(wanted))
         if tombs:
             await lexical_merge(store, conn)
-
-
-async def _meta_int(conn: AsyncConnection, name: str) -> int | None:
-    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == name))).first()
-    return int(row[0]) if row is not None else None
 
 
 def _covered(ts: Tombstone) -> Any:

@@ -277,7 +277,7 @@ class VectorProjection:
         """Recompute the entries of every memory slot and task the batch touches."""
         start, end = batch[0].position, batch[-1].position
         scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
-        pending = await _get_pending(conn, scope)
+        pending = await get_pending(conn, scope)
         events: list[StoredEvent] = list(batch)
         if pending is not None and pending < start - 1:
             # Items an earlier batch indexed from lagging views: settle them now (of
@@ -291,7 +291,7 @@ class VectorProjection:
                 after = more[-1].position
         await self._sync(store, conn, events, end)
         lag = await _source_shard_positions(conn, scope)
-        await _set_pending(conn, scope, {k: p for k, p in lag.items() if p < end})
+        await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end})
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     events: Sequence[StoredEvent], upto: int) -> None:
@@ -396,30 +396,40 @@ async def _source_views_position(conn: AsyncConnection) -> int:
 async def _source_shard_positions(conn: AsyncConnection, scope: shards.Scope
                                   ) -> dict[int, int]:
     """Per shard of the scope, how far both views the index reads from have got."""
-    at = await shards.shard_positions(conn, SOURCE_VIEWS, scope.count, scope.members())
-    return {k: min(at[name][k] for name in SOURCE_VIEWS) for k in scope.members()}
+    return await source_shard_positions(conn, scope, SOURCE_VIEWS)
 
 
-def pending_name(shard: int) -> str:
+async def source_shard_positions(conn: AsyncConnection, scope: shards.Scope,
+                                 views: Sequence[str]) -> dict[int, int]:
+    """Per shard of the scope, how far every one of `views` has got (an index fed
+    from views: this one, `projections.lexical`)."""
+    at = await shards.shard_positions(conn, views, scope.count, scope.members())
+    return {k: min(at[name][k] for name in views) for k in scope.members()}
+
+
+def pending_name(shard: int, meta: str = PENDING_META) -> str:
     """The `meta` row of a shard's unsettled range (`vectors.pending_after.<shard>`)."""
-    return f"{PENDING_META}.{shard}"
+    return f"{meta}.{shard}"
 
 
-async def _get_pending(conn: AsyncConnection, scope: shards.Scope) -> int | None:
+async def get_pending(conn: AsyncConnection, scope: shards.Scope,
+                       meta: str = PENDING_META) -> int | None:
     """The earliest unsettled position of the scope's shards (and of the whole index, a
     row written before shards)."""
-    names = [PENDING_META, *(pending_name(k) for k in scope.members())]
+    names = [meta, *(pending_name(k, meta) for k in scope.members())]
     rows = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name.in_(names)))).all()
     return min((int(r[0]) for r in rows), default=None)
 
 
-async def _set_pending(conn: AsyncConnection, scope: shards.Scope,
-                       pending: dict[int, int]) -> None:
-    """Record each shard's unsettled range (None settles them all): one row per shard."""
-    names = [pending_name(k) for k in scope.members()]
+async def set_pending(conn: AsyncConnection, scope: shards.Scope,
+                       pending: dict[int, int], meta: str = PENDING_META) -> None:
+    """Record each shard's unsettled range (None settles them all): one row per shard,
+    so runners of disjoint shards never write the same `meta` row."""
+    names = [pending_name(k, meta) for k in scope.members()]
     if scope.shards is None:
-        names.append(PENDING_META)
+        names.append(meta)
     await conn.execute(delete(t.meta).where(t.meta.c.name.in_(names)))
     if pending:
-        await conn.execute(t.meta.insert(), [{"name": pending_name(k), "value": str(p)}
+        await conn.execute(t.meta.insert(), [{"name": pending_name(k, meta), "value": str(p)}
                                              for k, p in sorted(pending.items())])
+
