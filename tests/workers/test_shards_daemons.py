@@ -19,6 +19,7 @@ from sqlalchemy import text
 
 from ledger.backends.postgres import SHARD_LEASE_LOCK, advisory_holders
 from ledger.store import Store
+from projections.registry import default_projections
 from projections.shards import DEFAULT_SHARDS
 from tests.factories import src, write
 from tests.workers.test_daemon import (
@@ -148,7 +149,7 @@ async def test_shards_move_between_worker_processes(
     chains: dict[tuple[str, int], list[tuple[int | None, int]]] = {}
     for proj, shard, old, new in rows:
         chains.setdefault((proj, shard), []).append((old, new))
-    assert set(chains) == {(p, k) for p in ("memories", "tasks", "erasure", "vectors")
+    assert set(chains) == {(p.name, k) for p in default_projections()
                            for k in range(DEFAULT_SHARDS)}
     for key, moves in chains.items():
         assert moves[0] == (None, 0), key  # created at the base, before any event
