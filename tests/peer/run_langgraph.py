@@ -62,7 +62,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "pytest", "-p", "langgraph_plugin",
                "-p", "no:cacheprovider", "-q", "-o", "addopts=", "-o", "asyncio_mode=auto",
                "--rootdir", str(tree), "-c", str(tree / "pyproject.toml"),
-               *sys.argv[1:], *files]
+               # A hang fails its test instead of holding CI (the peers set no timeout).
+               "--timeout", "300", *sys.argv[1:], *files]
         print(f"== {name}=={version}: {' '.join(files)}", flush=True)
         rc = subprocess.run(cmd, cwd=tree, env=env, check=False).returncode or rc
     return rc
