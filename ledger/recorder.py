@@ -167,11 +167,12 @@ class Recorder(ABC):
     async def lease_holders(self, conn: AsyncConnection, lock_class: int) -> dict[int, str]:
         """Who holds the session locks of a class: `{n: holder}` (none without leases)."""
         return {}
+
+    @abstractmethod
     def migration_lock(self, conn: AsyncConnection) -> AbstractAsyncContextManager[None]:
         """Held while a schema migration runs on `conn`, which must not be inside a
         transaction (each migration then commits its own): two processes never
         migrate one database at once."""
-        raise NotImplementedError
 
     # -- transactions -----------------------------------------------------------------------
     def write(self) -> AbstractAsyncContextManager[AsyncConnection]:

@@ -47,7 +47,6 @@ from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import shards
 from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
@@ -62,11 +61,9 @@ from projections.sql import (
     prefix_range,
 )
 from projections.vectors import (
-    get_pending,
+    apply_settling,
     memory_text,
-    set_pending,
     slots_of,
-    source_shard_positions,
     touched,
 )
 
@@ -175,24 +172,7 @@ class LexicalProjection:
         range it could not settle is kept (`meta` row `lexical.pending_after`) and
         read again with the next batch, so the index converges.
         """
-        start, end = batch[0].position, batch[-1].position
-        # Per shard, as the vector index does: runners of disjoint shards read and
-        # write only their own shards' `meta` rows (one shared row deadlocked them).
-        scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
-        events: list[StoredEvent] = list(batch)
-        pending = await get_pending(conn, scope, PENDING_META)
-        if pending is not None and pending < start - 1:
-            after = pending
-            while after < start - 1:
-                more = await store.read_events(conn, after, 2000, upto=start - 1)
-                if not more:
-                    break
-                events.extend(se for se in more if scope.covers(se.tenant))
-                after = more[-1].position
-        await self._sync(store, conn, events, end)
-        lag = await source_shard_positions(conn, scope, self.depends_on)
-        await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end},
-                          PENDING_META)
+        await apply_settling(store, conn, batch, self._sync, PENDING_META, self.depends_on)
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent], upto: int) -> None:

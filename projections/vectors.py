@@ -21,7 +21,7 @@ embedder). Changing it re-embeds everything through `memledger replay rebuild
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Final
@@ -275,23 +275,7 @@ class VectorProjection:
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
         """Recompute the entries of every memory slot and task the batch touches."""
-        start, end = batch[0].position, batch[-1].position
-        scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
-        pending = await get_pending(conn, scope)
-        events: list[StoredEvent] = list(batch)
-        if pending is not None and pending < start - 1:
-            # Items an earlier batch indexed from lagging views: settle them now (of
-            # this batch's shards only: the others' entries are their runners').
-            after = pending
-            while after < start - 1:
-                more = await store.read_events(conn, after, 2000, upto=start - 1)
-                if not more:
-                    break
-                events.extend(se for se in more if scope.covers(se.tenant))
-                after = more[-1].position
-        await self._sync(store, conn, events, end)
-        lag = await _source_shard_positions(conn, scope)
-        await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end})
+        await apply_settling(store, conn, batch, self._sync, PENDING_META, SOURCE_VIEWS)
 
     async def _sync(self, store: Store, conn: AsyncConnection,
                     events: Sequence[StoredEvent], upto: int) -> None:
@@ -393,10 +377,28 @@ async def _source_views_position(conn: AsyncConnection) -> int:
     return min((await shards.low_watermarks(conn, SOURCE_VIEWS)).values())
 
 
-async def _source_shard_positions(conn: AsyncConnection, scope: shards.Scope
-                                  ) -> dict[int, int]:
-    """Per shard of the scope, how far both views the index reads from have got."""
-    return await source_shard_positions(conn, scope, SOURCE_VIEWS)
+async def apply_settling(store: Store, conn: AsyncConnection, batch: Sequence[StoredEvent],
+                         sync: Callable[[Store, AsyncConnection, Sequence[StoredEvent], int],
+                                        Awaitable[None]],
+                         meta: str, views: Sequence[str]) -> None:
+    """Apply an index fed from `views` (this one, `projections.lexical`): `sync` the
+    batch's items, together with those an earlier batch indexed while the views lagged
+    (kept per shard in `meta` rows, re-read now, of this batch's shards only: the
+    others' entries are their runners'), then record what is still unsettled."""
+    start, end = batch[0].position, batch[-1].position
+    scope = shards.current_scope() or shards.Scope(await shards.shard_count(conn))
+    events: list[StoredEvent] = list(batch)
+    pending = await get_pending(conn, scope, meta)
+    after = pending if pending is not None else start - 1
+    while after < start - 1:
+        more = await store.read_events(conn, after, 2000, upto=start - 1)
+        if not more:
+            break
+        events.extend(se for se in more if scope.covers(se.tenant))
+        after = more[-1].position
+    await sync(store, conn, events, end)
+    lag = await source_shard_positions(conn, scope, views)
+    await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end}, meta)
 
 
 async def source_shard_positions(conn: AsyncConnection, scope: shards.Scope,
