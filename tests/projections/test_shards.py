@@ -160,7 +160,7 @@ async def test_union_of_shards_equals_unsharded(tmp_path: Path, seed: int, n: in
 @pytest.mark.postgres
 @given(seed=st.integers(0, 10**6), n=st.integers(3, 8), tenants=st.integers(1, 6),
        count=st.integers(1, 9))
-@settings(max_examples=4, deadline=None,
+@settings(max_examples=3, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 async def test_union_of_shards_equals_unsharded_on_postgres(
         tmp_path: Path, seed: int, n: int, tenants: int, count: int) -> None:
