@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow,
               # hang still fails.
               pytest.mark.timeout(900)]
 
-#: Events and tenants: the issue's scale (20,000 events over 200 tenants). About 2 minutes
-#: on the shared 2-core machine at load 7-9, most of it the daemons projecting and the
+#: Events and tenants: the issue's scale (20,000 events over 200 tenants). 2 to 3 minutes
+#: on the shared 2-core machine at load 7-12, most of it the daemons projecting and the
 #: single-process replay the views are compared with.
 EVENTS = 20_000
 TENANTS = 200
