@@ -140,8 +140,53 @@ def _hosts_down(forwarders: list[subprocess.Popen[bytes]]) -> None:
         del HOSTS[ns]
 
 
-async def _run(label: str, db: str, argv: list[list[str]], leases: int) -> float:
-    """Start the processes held at a lock, release them, time the catch-up (seconds)."""
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds each process has used so far (Linux `/proc`; a process
+    gone meanwhile is left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def _family(pids: list[int]) -> list[int]:
+    """The processes and their children (a forwarder forks one per connection)."""
+    out = list(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return out
+
+
+def _used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two readings (a process new since `before`: all of it)."""
+    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
+
+
+async def _backends(store: Store, db: str) -> list[int]:
+    """The PostgreSQL server processes serving database `db` (the workers' sessions)."""
+    async with store.read_once() as conn:
+        rows = (await conn.exec_driver_sql(
+            "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            (db,))).all()
+    return [int(r[0]) for r in rows]
+
+
+#: Per configuration: CPU seconds of the projecting processes and of their PostgreSQL
+#: server processes during the timed window (how much CPU the run got, beside its wall
+#: time: on a shared machine the two tell load from scaling).
+CPU: dict[str, tuple[float, float, float]] = {}
+
+
+async def _run(label: str, db: str, argv: list[list[str]], leases: int,
+               helpers: list[int] | None = None) -> float:
+    """Start the processes held at a lock, release them, time the catch-up (seconds).
+    `helpers`: processes whose CPU is counted apart (the simulated hosts' forwarders)."""
     await _admin(f'CREATE DATABASE "{db}" TEMPLATE "{TEMPLATE}"')
     env = {**os.environ, "MEMLEDGER_DB_URL": _url(db), "MEMLEDGER_REDIS_URL": REDIS,
            "MEMLEDGER_FORGET_REGISTER": f"/tmp/{db}.forgets", "MEMLEDGER_LOG_LEVEL": "WARNING"}
@@ -151,6 +196,8 @@ async def _run(label: str, db: str, argv: list[list[str]], leases: int) -> float
     try:
         head = await store.head()
         runner = Runner(store)
+        await runner.positions()
+        own = set(await _backends(store, db))  # this bench's sessions: not counted
         # Hold every projection step (and checkpoint read) until the processes are ready.
         async with store.engine.connect() as gate:
             await gate.exec_driver_sql("BEGIN")
@@ -171,16 +218,42 @@ async def _run(label: str, db: str, argv: list[list[str]], leases: int) -> float
                 if leases:
                     raise RuntimeError(f"{label}: leases did not settle")
             await asyncio.sleep(0.5 if not leases else 0)  # `project` reaches its first step
+            # The projecting processes (under `ip netns exec`, the process it execs is the
+            # same pid) and their server processes (the gate's own excluded).
+            pids = [p.pid for p in procs]
+            own.add(await _pid(gate))
+            servers = [b for b in await _backends(store, db) if b not in own]
+            groups = [pids, servers, _family(helpers or [])]
+            cpu0 = [_cpu_seconds(g) for g in groups]
             await gate.exec_driver_sql("COMMIT")
             started = time.perf_counter()
+        # CPU is read on every poll and the last reading of each process kept, so one that
+        # exits (`memledger project` when done, its server process) is still counted.
+        last: list[dict[int, float]] = [dict(c) for c in cpu0]
+        polls = 0
         while True:
+            if polls % 10 == 0:  # server processes and forwarders opened since the release
+                servers += [b for b in await _backends(store, db)
+                            if b not in own and b not in servers]
+                groups[2] = sorted(set(groups[2]) | set(_family(helpers or [])))
+            polls += 1
+            for seen, g in zip(last, groups, strict=True):
+                seen.update(_cpu_seconds(g))
             if min((await runner.positions()).values()) >= head:
                 break
             if any(p.poll() not in (None, 0) for p in procs):
                 raise RuntimeError(f"{label}: a process died")
             await asyncio.sleep(0.05)
         seconds = time.perf_counter() - started
-        say(f"{label}: {head:,} events in {seconds:.2f} s")
+        for seen, g in zip(last, groups, strict=True):
+            seen.update(_cpu_seconds(g))
+        w, pg, fwd = (_used(c0, seen) for c0, seen in zip(cpu0, last, strict=True))
+        cpu = (w, pg, fwd)
+        CPU[label] = cpu
+        say(f"{label}: {head:,} events in {seconds:.2f} s; CPU {cpu[0]:.1f} s in the "
+            f"projecting processes, {cpu[1]:.1f} s in their PostgreSQL server processes"
+            + (f", {cpu[2]:.1f} s in the forwarders" if helpers else "")
+            + f" ({sum(cpu) / seconds:.2f} cores on average)")
         return seconds
     finally:
         for p in procs:
@@ -191,6 +264,10 @@ async def _run(label: str, db: str, argv: list[list[str]], leases: int) -> float
                 p.wait(60)
         await store.close()
         await _admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+async def _pid(conn: Any) -> int:
+    return int((await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar())
 
 
 async def run() -> list[dict[str, Any]]:
@@ -224,15 +301,25 @@ async def run() -> list[dict[str, Any]]:
             try:
                 hosts = [[f"netns:{ns}", *worker] for ns in HOSTS for _ in range(2)]
                 two_hosts = await _run("4 worker processes on 2 simulated hosts",
-                                       f"{TEMPLATE}_h", hosts, 4)
+                                       f"{TEMPLATE}_h", hosts, 4,
+                                       helpers=[f.pid for f in forwarders])
             finally:
                 await asyncio.to_thread(_hosts_down, forwarders)
     finally:
         await _admin(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
     rate = {k: n / s for k, s in secs.items()}
     base_rate = n / base
+
+    def cpu(label: str, seconds: float) -> str:
+        w, pg, fwd = CPU[label]
+        return (f"; CPU {w:.1f} s workers + {pg:.1f} s PostgreSQL"
+                + (f" + {fwd:.1f} s forwarders" if fwd else "")
+                + f" = {(w + pg + fwd) / seconds:.2f} cores, "
+                f"{n / max(w + pg + fwd, 1e-9):.0f} events per CPU-second")
+
     out = [result("scale: 1 unsharded process (memledger project)", base_rate, "events/s",
-                  base_rate, note=f"{n:,} events, every view, PostgreSQL; the baseline")]
+                  base_rate, note=f"{n:,} events, every view, PostgreSQL; the baseline"
+                  + cpu("unsharded (memledger project)", base))]
     for k in (1, 2, 4):
         note = f"{k} x `memledger worker --queues project`, {DEFAULT_SHARDS} shards"
         if k == 2:
@@ -240,13 +327,15 @@ async def run() -> list[dict[str, Any]]:
         if k == 4:
             note += f"; {rate[4] / rate[2]:.2f}x two workers (target >= 1.0x)"
         out.append(result(f"scale: {k} sharded worker process{'es' if k > 1 else ''}",
-                          rate[k], "events/s", base_rate, note=note))
+                          rate[k], "events/s", base_rate,
+                          note=note + cpu(f"{k} worker process(es)", secs[k])))
     if two_hosts is not None:
         out.append(result("scale: 4 workers on 2 simulated hosts", n / two_hosts,
                           "events/s", base_rate,
                           note=f"2 network namespaces x 2 workers, PostgreSQL and Redis over "
                                f"veth + socat; {rate[4] and (n / two_hosts) / rate[4]:.2f}x "
-                               "4 workers on one host"))
+                               "4 workers on one host"
+                               + cpu("4 worker processes on 2 simulated hosts", two_hosts)))
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import tempfile
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from ledger.store import Store
 from ledger.validation import parse_event
 from projections import shards
 from projections.recall import recall
+from projections.registry import default_projections
 from projections.runner import Runner
 from projections.sql import shard_filter
 from replay.rebuild import rebuild, set_shards
+from tests.conftest import PG_HOST, RUN_ID, _pg_admin, unavailable
 from tests.helpers import dump_views, fresh_replay
 from tests.projections.test_views import gen_events
 
@@ -103,18 +106,12 @@ async def test_postgres_computes_the_same_shard(pg_url: str, register_path: str)
         await store.close()
 
 
-@given(seed=st.integers(0, 10**6), n=st.integers(3, 10), tenants=st.integers(1, 6),
-       count=st.integers(1, 9))
-@settings(max_examples=6, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-async def test_union_of_shards_equals_unsharded(tmp_path: Path, seed: int, n: int,
-                                                tenants: int, count: int) -> None:
-    """For any mix of events over several tenants and any number of shards, runners that
-    each own some shards, stepped in any interleaving (with whole-ledger steps among
-    them), leave every view exactly as one unsharded runner does (property)."""
+async def check_union(url: str, d: Path, seed: int, n: int, tenants: int,
+                      count: int) -> None:
+    """The property of `test_union_of_shards_equals_unsharded*` on one ledger: `url`, new
+    and empty (SQLite: Python keeps a shard's events; PostgreSQL: the SQL filter does)."""
     rng = random.Random(seed)
-    d = Path(tempfile.mkdtemp(dir=tmp_path))
-    store = Store(f"sqlite+aiosqlite:///{d / 'l.db'}", register_path=str(d / "l.forgets"))
+    store = Store(url, register_path=str(d / "l.forgets"))
     await store.open()
     try:
         await set_count(store, count)
@@ -136,6 +133,49 @@ async def test_union_of_shards_equals_unsharded(tmp_path: Path, seed: int, n: in
         assert set((await Runner(store).positions()).values()) == {head}
     finally:
         await store.close()
+
+
+def test_every_projection_is_compared() -> None:
+    """The property compares `VIEW_TABLES`: every table of every registered projection
+    (lexical included), so a projection added later cannot escape it."""
+    tables = {tb.name for p in default_projections() for tb in p.tables}
+    assert tables <= {tb.name for tb in t.VIEW_TABLES}
+    assert {p.name for p in default_projections()} >= {
+        "memories", "tasks", "erasure", "vectors", "lexical"}
+
+
+@given(seed=st.integers(0, 10**6), n=st.integers(3, 10), tenants=st.integers(1, 6),
+       count=st.integers(1, 9))
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+async def test_union_of_shards_equals_unsharded(tmp_path: Path, seed: int, n: int,
+                                                tenants: int, count: int) -> None:
+    """For any mix of events over several tenants and any number of shards, runners that
+    each own some shards, stepped in any interleaving (with whole-ledger steps among
+    them), leave every view exactly as one unsharded runner does (property, SQLite)."""
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
+    await check_union(f"sqlite+aiosqlite:///{d / 'l.db'}", d, seed, n, tenants, count)
+
+
+@pytest.mark.postgres
+@given(seed=st.integers(0, 10**6), n=st.integers(3, 8), tenants=st.integers(1, 6),
+       count=st.integers(1, 9))
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+async def test_union_of_shards_equals_unsharded_on_postgres(
+        tmp_path: Path, seed: int, n: int, tenants: int, count: int) -> None:
+    """The same property on PostgreSQL, where a shard's batch filters its tenants in
+    SQL (`projections.sql.shard_filter`) and the runners' batches lock shard rows."""
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
+    name = f"memledger_t_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    try:
+        await _pg_admin(f'CREATE DATABASE "{name}"')
+    except Exception as e:  # noqa: BLE001 - any failure to connect means "no server"
+        unavailable("PostgreSQL", e)
+    try:
+        await check_union(f"{PG_HOST}/{name}", d, seed, n, tenants, count)
+    finally:
+        await _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def test_shards_run_side_by_side_on_both_backends(store: Store, tmp_path: Path) -> None:

@@ -144,9 +144,11 @@ async def caught_up(store: Store, head: int, within: float, *ds: Daemon) -> floa
                 f"lag {await lag(store)}\n{logs}")
 
 
-async def assert_views_equal_rebuild(store: Store, tmp_path: Path) -> None:
+async def assert_views_equal_rebuild(store: Store, tmp_path: Path, *,
+                                     batch_size: int = 1000) -> None:
     """Every view equals a replay of the ledger into a fresh database."""
-    fresh = await fresh_replay(store, tmp_path, name=f"fresh{time.monotonic_ns()}")
+    fresh = await fresh_replay(store, tmp_path, name=f"fresh{time.monotonic_ns()}",
+                               batch_size=batch_size)
     try:
         assert await dump_views(store, t.VIEW_TABLES) == await dump_views(fresh, t.VIEW_TABLES)
     finally:

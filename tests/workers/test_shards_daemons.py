@@ -33,12 +33,15 @@ from workers.leases import REBALANCE_S
 from workers.publish import Publisher
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow,
-              pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)]
+              pytest.mark.parametrize("db_url", ["postgresql"], indirect=True),
+              # The suite's 300 s would be tight at this scale on a loaded machine; a
+              # hang still fails.
+              pytest.mark.timeout(900)]
 
-#: Events and tenants. The issue asks for 20,000 over 200 tenants; on this shared 2-core
-#: machine that takes minutes, so the test uses 4,000 (same tenants, same kill, join and
-#: stop): the benchmark (`python -m bench --only scale`) carries the volume.
-EVENTS = 4000
+#: Events and tenants: the issue's scale (20,000 events over 200 tenants). 2 to 3 minutes
+#: on the shared 2-core machine at load 7-12, most of it the daemons projecting and the
+#: single-process replay the views are compared with.
+EVENTS = 20_000
 TENANTS = 200
 #: A dead process's shards move within this (docs/workers.md: one rebalance tick after
 #: its session ends, plus a batch in flight); the test allows a loaded machine 5 ticks.
@@ -127,7 +130,9 @@ async def test_shards_move_between_worker_processes(
             sum(1 for v in o.values() if pid_of(v) == p) for p in (b.proc.pid, c.proc.pid))
             == [DEFAULT_SHARDS // 2] * 2, ledger, 60, b, c)
     assert takeover <= TAKEOVER_BOUND_S, f"takeover took {takeover:.2f} s ({took:.2f})"
-    await caught_up(ledger, EVENTS, 180, b, c)
+    published = time.monotonic()
+    await caught_up(ledger, EVENTS, 600, b, c)
+    projected = time.monotonic()
     # A graceful stop hands the shards over at once: the survivor holds all of them
     # within a rebalance tick or two of the stopped process's exit.
     stop_started = time.monotonic()
@@ -141,7 +146,12 @@ async def test_shards_move_between_worker_processes(
         assert {r.status for r in pub.publish(extra)} == {"published"}
     await caught_up(ledger, EVENTS + 40, 60, c)
     await assert_gap_free(ledger, EVENTS + 40)
-    await assert_views_equal_rebuild(ledger, tmp_path)
+    replay_started = time.monotonic()
+    # The replay steps each projection over the whole ledger in one batch (views do not
+    # depend on batch bounds: tests/projections/test_shards.py): minutes fewer than
+    # batches of 1,000 at this scale, with the same views.
+    await assert_views_equal_rebuild(ledger, tmp_path, batch_size=EVENTS + 40)
+    replayed = time.monotonic() - replay_started
     head = EVENTS + 40
     async with ledger.read() as conn:
         rows = (await conn.execute(text(
@@ -163,4 +173,6 @@ async def test_shards_move_between_worker_processes(
     assert {pid_of(o) for o in shown} == {c.proc.pid}
     assert c.stop() == 0
     print(f"takeover {takeover:.2f} s after SIGKILL; graceful handover "
-          f"{handover:.2f} s after exit ({exited - stop_started:.2f} s to stop)")
+          f"{handover:.2f} s after exit ({exited - stop_started:.2f} s to stop); "
+          f"{EVENTS:,} events projected {projected - published:.1f} s after the last "
+          f"publish; fresh replay {replayed:.1f} s")
