@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import orjson
@@ -311,42 +312,55 @@ def _walk(obj: dict[str, Any]) -> int:
     """`_plainly_clean`'s walk; returns the number of object members at every depth
     (what `decode_event` compares with the keys in the text), or -1 when not clean."""
     strings: list[str] = []
-    stack: list[tuple[object, int]] = [(obj, 0)]
-    pop, push, add = stack.pop, stack.append, strings.append
-    members = 0
-    while stack:
-        v, depth = pop()
-        kind = type(v)
-        if kind is str:
-            if v not in _PLAIN_WORDS:
-                add(v)  # type: ignore[arg-type]
-        elif kind is dict:
-            if depth >= MAX_DEPTH:
-                return -1
-            members += len(v)  # type: ignore[arg-type]
-            for k, child in v.items():  # type: ignore[attr-defined]
-                if type(k) is not str or secret_key_kind(k) is not None:
-                    return -1
-                if k not in _PLAIN_WORDS:
-                    add(k)
-                push((child, depth + 1))
-        elif kind is list:
-            if depth >= MAX_DEPTH:
-                return -1
-            for child in v:  # type: ignore[attr-defined]
-                push((child, depth + 1))
-        elif kind is int:
-            if not -_SMALL_INT < v < _SMALL_INT:  # type: ignore[operator]
-                return -1
-        elif kind is float:
-            if v != v or v in _INFINITIES:
-                return -1
-        elif not (v is None or kind is bool):
-            return -1
+    try:
+        members = _collect(obj, 0, strings.append)
+    except _NotPlain:
+        return -1
     joined = "".join(strings)
     if "\x00" in joined or (not joined.isascii() and _SURROGATE.search(joined)):
         return -1
     return -1 if may_hold_secret(strings) else members
+
+
+class _NotPlain(Exception):
+    """`_collect` met something only the full checks may judge."""
+
+
+def _collect(v: dict[str, Any] | list[Any], depth: int, add: Callable[[str], None]) -> int:
+    """Add the strings of a container to `add` (but `_PLAIN_WORDS`) and count its object
+    members; raise `_NotPlain` at whatever `_plainly_clean` leaves to the full checks.
+    Recursion is bounded: deeper than `MAX_DEPTH` is not plain."""
+    if depth >= MAX_DEPTH:
+        raise _NotPlain
+    members = 0
+    children: Iterable[Any]
+    child: Any
+    if type(v) is dict:
+        members = len(v)
+        for k in v:
+            if type(k) is not str or secret_key_kind(k) is not None:
+                raise _NotPlain
+            if k not in _PLAIN_WORDS:
+                add(k)
+        children = v.values()
+    else:
+        children = v
+    for child in children:
+        kind = type(child)
+        if kind is str:
+            if child not in _PLAIN_WORDS:
+                add(child)
+        elif kind is dict or kind is list:
+            members += _collect(child, depth + 1, add)
+        elif kind is int:
+            if not -_SMALL_INT < child < _SMALL_INT:
+                raise _NotPlain
+        elif kind is float:
+            if child != child or child in _INFINITIES:
+                raise _NotPlain
+        elif not (child is None or kind is bool):
+            raise _NotPlain
+    return members
 
 
 def parse_event(obj: object) -> Event:
@@ -692,6 +706,9 @@ def _keys_in_text(raw: bytes) -> int:
     found = _KEY_END.findall(raw)
     if b"\\" not in raw:
         return len(found)
+    plain, escaped = found.count(b'":'), found.count(b'\\":')
+    if plain + escaped == len(found):  # compact JSON (what orjson and json.dumps write)
+        return plain
     return sum(1 for m in found if (len(m) - len(m.lstrip(b"\\"))) % 2 == 0)
 
 
