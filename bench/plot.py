@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.plot before.json:before bench-out/results.json:after \
         --out docs/bench-ratios.png
 
-Each argument is `FILE[:LABEL]`; every figure that has a ratio (memledger beside its
+Each argument is `FILE[:LABEL]` (files with one label are merged: modules run
+separately count as one run); every figure that has a ratio (memledger beside its
 same-run baseline, higher is better) gets one bar per file, so a before/after pair shows
 what moved. Figures missing from a file are left out of its bars. The dashed lines mark
 the ratios the targets name (0.5x and 1x).
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -69,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/bench-ratios.png", help="PNG to write")
     ap.add_argument("--title", default="memledger / same-run baseline")
     args = ap.parse_args(argv)
-    runs: list[tuple[str, dict[str, Any], str]] = [load(s) for s in args.runs]
-    plot(runs, Path(args.out), args.title)
+    merged: dict[str, tuple[str, dict[str, float], str]] = {}
+    for spec in args.runs:  # files with the same label are one run (modules run apart)
+        label, ratios, load_note = load(spec)
+        if label in merged:
+            _, seen, note = merged[label]
+            ratios, load_note = {**seen, **ratios}, f"{note}, {load_note}"
+        merged[label] = (label, ratios, load_note)
+    plot(list(merged.values()), Path(args.out), args.title)
     print(f"wrote {args.out}")
     return 0
 
