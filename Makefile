@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install lint test test-fast test-langgraph demo demo-workers bench eval clean
+.PHONY: help install lint test test-fast test-langgraph demo demo-workers bench bench-quick bench-plot eval clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -43,6 +43,12 @@ demo-workers: $(STAMP) ## the same story through publish and a worker daemon (ne
 
 bench: $(STAMP) ## benchmarks, each beside raw sqlite3 doing the same work in the same run
 	$(BIN)/python -m bench
+
+bench-quick: $(STAMP) ## the same benchmarks at small sizes, a smoke run (under 2 minutes)
+	$(BIN)/python -m bench --quick
+
+bench-plot: $(STAMP) ## docs/bench-ratios.png from bench-out/results.json (BEFORE=file.json adds a before run)
+	$(BIN)/python -m bench.plot $(if $(BEFORE),$(BEFORE):before) bench-out/results.json:after --out docs/bench-ratios.png
 
 eval: $(STAMP) ## recall quality on LoCoMo (dev split) beside BM25 and dense baselines, and the bilingual fixture
 	$(BIN)/python -m bench.eval

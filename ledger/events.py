@@ -95,7 +95,7 @@ def to_us(moment: datetime) -> int:
 
 def ns_path(parts: tuple[str, ...] | list[str]) -> str:
     """The stored form of a namespace: parts joined and terminated by `NS_SEP`."""
-    return "".join(p + NS_SEP for p in parts)
+    return NS_SEP.join(parts) + NS_SEP if parts else ""
 
 
 def ns_parts(path: str) -> tuple[str, ...]:

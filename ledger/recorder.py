@@ -12,6 +12,7 @@ No other module inserts into, updates or deletes from `events`.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -52,6 +53,8 @@ STORED_COLUMNS: Final = (
 )
 #: The `events` columns in table order (the order `insert_events` rows are written in).
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
+#: An `events` row dict as a tuple in `EVENT_COLUMNS` order (one C call per row).
+_EVENT_TUPLE: Final = operator.itemgetter(*EVENT_COLUMNS)
 #: What SQLite says of a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB).
 CORRUPTION_MESSAGES: Final = ("database disk image is malformed", "file is not a database")
 
@@ -252,8 +255,7 @@ class Recorder(ABC):
             return
         # Plain tuples in column order go straight to the driver's executemany: no
         # SQLAlchemy per-row parameter processing (~10 us a row), no type to convert.
-        await conn.exec_driver_sql(self.insert_events_sql, [
-            tuple(r[c] for c in EVENT_COLUMNS) for r in rows])
+        await conn.exec_driver_sql(self.insert_events_sql, list(map(_EVENT_TUPLE, rows)))
 
     async def select_events(self, conn: AsyncConnection, after: int, limit: int,
                             upto: int | None = None, types: Sequence[str] | None = None

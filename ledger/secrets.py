@@ -38,11 +38,13 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Final
 
-__all__ = ["SecretFinding", "find_secret_in_text", "find_secrets", "luhn_valid"]
+__all__ = ["SecretFinding", "find_secret_in_text", "find_secrets", "luhn_valid", "may_hold_secret",
+           "secret_key_kind"]
 
 _KIND_PHRASES: Final[dict[str, str]] = {
     "payment_card": "a payment card number",
@@ -437,6 +439,67 @@ def _fold(text: str) -> str:
 
 _MAY_HOLD_SHORT: Final = re.compile(r"[\s:=]")
 
+#: A card number needs 13 digits in one group (`_DIGIT_RUN` alone), or a group of 4
+#: digits, a separator and a group of 3 or more (a grouped run, `_DIGIT_RUN` after
+#: folding spaces between digits, or `_OTHER_SEP_RUN`); the group starts a run or
+#: follows a separator, so no letter, digit or `_+./` comes before it.
+_CARD_DIGITS: Final = r"(?<![0-9A-Za-z_+./])[0-9]{4}(?:[0-9]{9}|[ \t._/,-]+[0-9]{3})"
+#: What every rule above needs, loosened: a text (folded) in which this finds nothing
+#: matches no rule, so the rules are skipped. Each alternative is a part that a rule's
+#: match must contain, with the same case sensitivity and the same left boundary where
+#: the rule has one: the literal prefixes of `_PREFIXED` and `_SK_DASH`; "bearer" and
+#: the CVV words; a keyword of `_KEYWORD_SECRETS` followed later by a 16-character run of
+#: its value's characters; the words every one-time-code and password rule is built
+#: around ("code", "pass...", "pw...", "pin", "otp", "2fa", "mfa", 码, 口令); "://" of
+#: URL credentials; and `_CARD_DIGITS`. NUL never occurs in a scanned string
+#: (validation refuses it first), so several strings joined by NUL can be searched in
+#: one pass (`may_hold_secret`): `[^\x00]` keeps a keyword and its value in one string.
+#: `tests/ledger/test_secret_prefilter.py` checks, for generated texts, that the rules
+#: find nothing where this finds nothing.
+_MAY_HOLD_SECRET: Final = re.compile(
+    r"-----BEGIN|k_(?:live|test)_|AKIA|ASIA|AIza|gh[pousr]_|github_pat_|xox[abposr]-|eyJ|sk-"
+    r"|(?i:bearer|cvv|cvc|cvn)"
+    r"|(?i:key|secret|token)[^\x00]*?[A-Za-z0-9_/+=-]{16}"
+    r"|(?:密钥|秘钥|令牌)[^\x00]*?[A-Za-z0-9_-]{16}"
+    r"|(?<![A-Za-z0-9])(?i:code|pass|pw|pin|t?otp|2fa|mfa)"
+    r"|码|口令|://|" + _CARD_DIGITS
+)
+_CARD_START: Final = re.compile(_CARD_DIGITS)
+#: A looser, faster first pass for ASCII text: lowered, it contains one of these words
+#: (`_MAY_HOLD_SECRET`'s literal parts, lowered, without boundaries or values), or it
+#: holds `_CARD_DIGITS`. Substring tests run at memory speed; an alternation of these
+#: words in one regex is ten times slower.
+_ROUGH_WORDS: Final = (
+    "key", "code", "pass", "pw", "pin", "otp", "2fa", "mfa", "token", "secret", "://",
+    "sk-", "eyj", "bearer", "cvv", "cvc", "cvn", "akia", "asia", "aiza", "ghp_", "gho_",
+    "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "k_live_", "k_test_", "-----begin",
+)
+
+
+def _may_hold(folded: str) -> bool:
+    """False when no rule can match `folded` (NUL-free strings joined by NUL allowed)."""
+    if folded.isascii():
+        low = folded.lower()
+        for word in _ROUGH_WORDS:
+            if word in low:
+                break
+        else:
+            if _CARD_START.search(folded) is None:
+                return False
+    return _MAY_HOLD_SECRET.search(folded) is not None
+
+
+def may_hold_secret(texts: Sequence[str]) -> bool:
+    """False when no text of `texts` can hold a secret by `find_secret_in_text`'s rules
+    (one regex pass over all of them); True means "maybe": ask `find_secret_in_text`.
+
+    The texts must not contain NUL (validation refuses it before scanning).
+    """
+    joined = "\x00".join(texts)
+    if not joined.isascii():
+        joined = "\x00".join(t if t.isascii() else _fold(t) for t in texts)
+    return _may_hold(joined)
+
 
 def find_secret_in_text(text: str) -> str | None:
     """Return the kind of secret that ``text`` appears to contain, or None.
@@ -451,6 +514,13 @@ def find_secret_in_text(text: str) -> str | None:
         # word and a value, or non-ASCII text: short plain identifiers are skipped fast.
         return None
     folded = _fold(text)
+    if not _may_hold(folded):
+        return None
+    return _secret_kind_of_folded(folded)
+
+
+def _secret_kind_of_folded(folded: str) -> str | None:
+    """Every rule of `find_secret_in_text`, on text already folded (no prefilter)."""
     kind = _key_or_token_kind(folded)
     if kind is not None:
         return kind
@@ -517,8 +587,10 @@ _SECRET_LAST_WORDS: Final[dict[str, str]] = {
 }  # fmt: skip
 
 
-def _secret_key_kind(key: str) -> str | None:
-    """Return the kind of secret a dict key names, ignoring case and separators."""
+@lru_cache(maxsize=4096)
+def secret_key_kind(key: str) -> str | None:
+    """Return the kind of secret a dict key names, ignoring case and separators (cached:
+    the same few keys recur in every event)."""
     camel_split = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key)
     normal = unicodedata.normalize("NFKC", camel_split)
     compact = re.sub(r"[\s_-]+", "", normal).lower()
@@ -613,7 +685,7 @@ def _member_work(
         return [SecretFinding(key_kind, child_where), (child, child_where, inside)]
     key_text = key if isinstance(key, str) else str(key)
     child_where = _child_path(where, key_text)
-    named_kind = _secret_key_kind(key_text)
+    named_kind = secret_key_kind(key_text)
     if named_kind is not None and _holds_value(child):
         return [SecretFinding(named_kind, child_where)]
     return [(child, child_where, inside)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import orjson
@@ -29,7 +30,13 @@ from ledger.events import (
     parse_rfc3339,
     to_us,
 )
-from ledger.secrets import SecretFinding, find_secret_in_text, find_secrets
+from ledger.secrets import (
+    SecretFinding,
+    find_secret_in_text,
+    find_secrets,
+    may_hold_secret,
+    secret_key_kind,
+)
 
 #: Derived memory ids (`derive_memory_id`) have this form and no explicit id may take it,
 #: so a derived id is unique exactly when its idempotency key is.
@@ -46,6 +53,7 @@ MIN_INT: Final = -(1 << 63)
 MAX_INT: Final = (1 << 64) - 1
 #: Nesting depth of a whole event (orjson cannot encode deeper than 254 levels).
 MAX_DEPTH: Final = 64
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _RFC3339_SHAPE: Final = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})$")
 
@@ -95,7 +103,7 @@ def _identifier(obj: dict[str, Any], key: str, where: str, *, required: bool = T
         raise _fail(field, "must not be empty")
     if len(v) > max_chars:
         raise _fail(field, f"must be at most {max_chars} characters, got {len(v)}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in v):
+    if _CONTROL.search(v):
         raise _fail(field, "must not contain control characters")
     return v
 
@@ -150,7 +158,7 @@ def _namespace(obj: dict[str, Any], key: str, tenant: str, *, min_len: int = 2) 
             raise _fail(f"{field}[{i}]", "must be a non-empty string")
         if len(part) > MAX_NS_PART_CHARS:
             raise _fail(f"{field}[{i}]", f"must be at most {MAX_NS_PART_CHARS} characters")
-        if "/" in part or any(ord(c) < 32 or ord(c) == 127 for c in part):
+        if "/" in part or _CONTROL.search(part):
             raise _fail(f"{field}[{i}]", "must not contain '/' or control characters")
     if v[0] != tenant:
         # The part itself is not echoed: namespace parts may hold what the user typed.
@@ -279,14 +287,94 @@ def _scan_member(key: str, value: Any, where: str) -> None:
 
 
 _TIMESTAMP_KEYS: Final = frozenset({"at", "expires_at", "retain_until"})
+#: Integers below this magnitude are never card numbers (`_scalar_kind` looks at 13..19
+#: digits) and lie within 64 bits.
+_SMALL_INT: Final = 10**12
+_INFINITIES: Final = (float("inf"), float("-inf"))
+#: Field names and the contract's fixed values: none holds a secret, NUL or a surrogate
+#: (`tests/ledger/test_secrets.py` checks), so `_plainly_clean` need not search them.
+_PLAIN_WORDS: Final = _KNOWN_NAMES | _VOCABULARY
+
+
+def _plainly_clean(obj: dict[str, Any]) -> bool:
+    """True when one walk and one regex pass show that `_check_json` and `_scan_secrets`
+    would both accept `obj`; False means "not shown": they run and decide (and word the
+    error). What makes it False: anything `_check_json` refuses, a type other than the
+    plain JSON ones, an integer of 13+ digits, a key that names a secret, or any string
+    (keys included) in which `may_hold_secret` sees a possible secret. Every string of
+    the event is searched but field names and fixed values (`_PLAIN_WORDS`), a superset
+    of what `_scan_secrets` scans, so a secret is never skipped (R23).
+    """
+    return _walk(obj) >= 0
+
+
+def _walk(obj: dict[str, Any]) -> int:
+    """`_plainly_clean`'s walk; returns the number of object members at every depth
+    (what `decode_event` compares with the keys in the text), or -1 when not clean."""
+    strings: list[str] = []
+    try:
+        members = _collect(obj, 0, strings.append)
+    except _NotPlain:
+        return -1
+    joined = "".join(strings)
+    if "\x00" in joined or (not joined.isascii() and _SURROGATE.search(joined)):
+        return -1
+    return -1 if may_hold_secret(strings) else members
+
+
+class _NotPlain(Exception):
+    """`_collect` met something only the full checks may judge."""
+
+
+def _collect(v: dict[str, Any] | list[Any], depth: int, add: Callable[[str], None]) -> int:
+    """Add the strings of a container to `add` (but `_PLAIN_WORDS`) and count its object
+    members; raise `_NotPlain` at whatever `_plainly_clean` leaves to the full checks.
+    Recursion is bounded: deeper than `MAX_DEPTH` is not plain."""
+    if depth >= MAX_DEPTH:
+        raise _NotPlain
+    members = 0
+    children: Iterable[Any]
+    child: Any
+    if type(v) is dict:
+        members = len(v)
+        for k in v:
+            if type(k) is not str or secret_key_kind(k) is not None:
+                raise _NotPlain
+            if k not in _PLAIN_WORDS:
+                add(k)
+        children = v.values()
+    else:
+        children = v
+    for child in children:
+        kind = type(child)
+        if kind is str:
+            if child not in _PLAIN_WORDS:
+                add(child)
+        elif kind is dict or kind is list:
+            members += _collect(child, depth + 1, add)
+        elif kind is int:
+            if not -_SMALL_INT < child < _SMALL_INT:
+                raise _NotPlain
+        elif kind is float:
+            if child != child or child in _INFINITIES:
+                raise _NotPlain
+        elif not (child is None or kind is bool):
+            raise _NotPlain
+    return members
 
 
 def parse_event(obj: object) -> Event:
     """Validate a decoded wire object and return the normalised `Event`."""
     if not isinstance(obj, dict):
         raise _fail("", f"an event must be a JSON object, got {type(obj).__name__}")
-    _check_json(obj)
-    _scan_secrets(obj)
+    if not _plainly_clean(obj):
+        _check_json(obj)
+        _scan_secrets(obj)
+    return _parse_checked(obj)
+
+
+def _parse_checked(obj: dict[str, Any]) -> Event:
+    """`parse_event` after `_check_json` and `_scan_secrets` (or `_plainly_clean`)."""
     _check_keys(obj, _ENVELOPE_KEYS, "")
     etype = obj.get("type")
     if etype not in EVENT_TYPES:
@@ -557,9 +645,9 @@ _PARSERS = {
 }
 
 
-#: Where a member's key ends, or (inside strings only) a `"` then `:`. Its count bounds
-#: the number of keys in the text from above.
-_KEY_END: Final = re.compile(rb'"[ \t\r\n]*:')
+#: Where a member's key ends, or (inside strings only) a `"` then `:`, with the run of
+#: backslashes before the quote (`_keys_in_text` drops escaped quotes).
+_KEY_END: Final = re.compile(rb'\\*"[ \t\r\n]*:')
 #: A run of digits that may be too long for a 64-bit integer (orjson would read it as
 #: a float).
 _LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
@@ -606,8 +694,26 @@ def decode_json(line: bytes | str) -> Any:
     except orjson.JSONDecodeError as e:
         raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
     raw = line if isinstance(line, bytes) else line.encode()
-    if len(_KEY_END.findall(raw)) == _members(obj) and not _LONG_DIGITS.search(raw):
+    if _keys_in_text(raw) == _members(obj) and not _LONG_DIGITS.search(raw):
         return obj
+    return _decode_exact(raw, obj)
+
+
+def _keys_in_text(raw: bytes) -> int:
+    """An upper bound of the keys in a JSON text: each `"` then `:` that is not an
+    escaped quote (a quote after an odd run of backslashes), so escaped JSON inside a
+    string (`"pref: {\\"a\\":1}"`) is not counted."""
+    found = _KEY_END.findall(raw)
+    if b"\\" not in raw:
+        return len(found)
+    plain, escaped = found.count(b'":'), found.count(b'\\":')
+    if plain + escaped == len(found):  # compact JSON (what orjson and json.dumps write)
+        return plain
+    return sum(1 for m in found if (len(m) - len(m.lstrip(b"\\"))) % 2 == 0)
+
+
+def _decode_exact(raw: bytes, obj: Any) -> Any:
+    """The exact check of `decode_json` (a repeated key, an integer beyond 64 bits)."""
     try:
         exact = json.loads(raw, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
@@ -621,5 +727,18 @@ def decode_json(line: bytes | str) -> Any:
 
 
 def decode_event(line: bytes | str) -> Event:
-    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`."""
-    return parse_event(decode_json(line))
+    """Decode one JSON line and validate it; malformed JSON is a `ValidationError`.
+
+    The same checks as `parse_event(decode_json(line))`, with one walk of the decoded
+    object for the common case: `_walk` shows it clean and counts its members, which
+    the keys in the text must equal (no key repeated)."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ValidationError("", f"malformed JSON: {e.msg} at position {e.pos}") from None
+    raw = line if isinstance(line, bytes) else line.encode()
+    if type(obj) is dict and not _LONG_DIGITS.search(raw):
+        members = _walk(obj)
+        if members >= 0 and _keys_in_text(raw) == members:
+            return _parse_checked(obj)
+    return parse_event(decode_json(raw))
