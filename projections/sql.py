@@ -9,6 +9,7 @@ writes one statement for both backends.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -212,9 +213,12 @@ def _averages_rows(block: bytes) -> int:
 
 
 async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
-                              vocab: str, min_docs: int) -> dict[str, float]:
+                              vocab: str, min_docs: int, scope_term: str | None = None
+                              ) -> tuple[dict[str, float], float | None]:
     """The share of the index's entries holding each of `terms` (those known; none
-    while the index has fewer than `min_docs` entries, or has no statistics yet).
+    while the index has fewer than `min_docs` entries, or has no statistics yet), and
+    the share of entries carrying `scope_term` in their scope column (None where not
+    known: PostgreSQL, or no statistics).
 
     SQLite, one statement: the entry count from FTS5's own "averages" record (what
     `bm25` reads) and each term's document count from an `fts5vocab` view of the index
@@ -228,13 +232,19 @@ async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequen
             "WHERE schemaname = current_schema() AND tablename = 'ix_lexical_tsv' LIMIT 1"
         ))).first()
         if row is None or row[0] is None or row[1] is None:
-            return {}
+            return {}, None
         freq = dict(zip(row[0], row[1], strict=False))
-        return {x: float(freq[x]) for x in terms if x in freq}
-    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
-             f"FROM temp.{vocab} WHERE col = 'terms' AND term IN "
-             f"({', '.join(f':t{i}' for i in range(len(terms)))})")
+        return {x: float(freq[x]) for x in terms if x in freq}, None
+    # Two SELECTs, not one with OR: fts5vocab serves a term constraint only when it is
+    # not under an OR (with one, the scope row was silently missing).
+    scope = (f" UNION ALL SELECT col, term, doc FROM temp.{vocab} "
+             "WHERE col = 'scope' AND term = :scope" if scope_term is not None else "")
+    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), v.* FROM ("
+             f"SELECT col, term, doc FROM temp.{vocab} WHERE col = 'terms' AND term IN "
+             f"({', '.join(f':t{i}' for i in range(len(terms)))}){scope}) AS v")
     params = {f"t{i}": x for i, x in enumerate(terms)}
+    if scope_term is not None:
+        params["scope"] = scope_term
     try:
         rows = (await conn.execute(q, params)).all()
     except OperationalError as e:
@@ -245,17 +255,21 @@ async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequen
             f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
         rows = (await conn.execute(q, params)).all()
     if not rows or not rows[0][0]:
-        return {}
+        return {}, None
     total = _averages_rows(bytes(rows[0][0]))
+    if total <= 0:
+        return {}, None
+    own = next((int(r[3]) / total for r in rows if r[1] == "scope"), None)
     if total < min_docs:
-        return {}
-    return {r[1]: int(r[2]) / total for r in rows}
+        return {}, own
+    return {r[2]: int(r[3]) / total for r in rows if r[1] == "terms"}, own
 
 
 async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
                        terms: Sequence[str], *, tenant: str, prefix: str,
                        task: str | None, session: str | None, scope: Sequence[Any],
-                       k: int, fts_k: int, pg_cap: int) -> list[tuple[str, Any]]:
+                       k: int, fts_k: int, pg_cap: int, scope_share: float | None = None,
+                       unscoped_from: float = 1.0) -> list[tuple[str, Any]]:
     """The item ids of `lexical_docs` matching any of `terms` inside one principal's
     scope, with their score (higher is better), best first, at most `k`.
 
@@ -263,30 +277,48 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
     hashed `scope_term` required in the match itself, taken in a subquery with its own
     LIMIT (never flattened into the join); only those are joined to their rows and
     checked again for tenant, namespace prefix and layer; CROSS JOIN keeps SQLite from
-    starting at `lexical_docs`. PostgreSQL: the rows of `scope` (the same conditions as
-    SQLAlchemy clauses) matching the terms, at most `pg_cap` of them, ranked by
-    `ts_rank`."""
+    starting at `lexical_docs`.
+
+    When the principal's entries are at least `unscoped_from` of the index
+    (`scope_share`, from `lexical_term_shares`), the scope term is left out of the
+    match: intersecting with a doclist that covers most of the index costs more than
+    the few other entries it removes (one user with 100k memories: about half of the
+    query). The subquery then takes FTS5's best `fts_k / scope_share` of the whole
+    index; the join checks each row's scope as before. If at least `k` of them are the
+    principal's, they are exactly its best `k` (the scores are the same either way:
+    the scope column has weight 0 and the statistics are the index's); if the
+    subquery was cut by its LIMIT before `k` were found, the scoped match runs instead.
+
+    PostgreSQL: the rows of `scope` (the same conditions as SQLAlchemy clauses)
+    matching the terms, at most `pg_cap` of them, ranked by `ts_rank`."""
     if store.dialect == "sqlite":
-        match = (f'scope : "{scope_term}" AND terms : ('
-                 + " OR ".join(f'"{x}"' for x in terms) + ")")
+        words = "terms : (" + " OR ".join(f'"{x}"' for x in terms) + ")"
         layers = ["d.layer = 'long'"]
         if task is not None:
             layers.append("(d.layer = 'task' AND d.task_key = :task)")
         if session is not None:
             layers.append("(d.layer = 'session' AND d.session_id = :session)")
         q = text(
-            "SELECT d.item_id, f.s FROM ("
+            "SELECT d.item_id, f.s, (d.tenant = :tenant AND substr(d.ns_path, 1, :plen) "
+            f"= :prefix AND ({' OR '.join(layers)})) FROM ("
             f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
             f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
             "ORDER BY s DESC LIMIT :fk) AS f "
-            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid "
-            "WHERE d.tenant = :tenant AND substr(d.ns_path, 1, :plen) = :prefix "
-            f"AND ({' OR '.join(layers)}) ORDER BY f.s DESC, d.item_id LIMIT :k")
-        params = {"match": match, "tenant": tenant, "plen": len(prefix),
-                  "prefix": prefix, "task": task, "session": session, "k": k,
-                  "fk": fts_k}
+            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid ORDER BY f.s DESC, d.item_id")
+        params: dict[str, Any] = {"tenant": tenant, "plen": len(prefix), "prefix": prefix,
+                                  "task": task, "session": session}
         params = {n: v for n, v in params.items() if f":{n}" in q.text}
-        return [(r[0], r[1]) for r in (await conn.execute(q, params)).all()]
+
+        async def best(match: str, fk: int) -> tuple[list[tuple[str, Any]], bool]:
+            rows = (await conn.execute(q, {**params, "match": match, "fk": fk})).all()
+            return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
+
+        if scope_share is not None and scope_share >= unscoped_from:
+            fk = min(math.ceil(fts_k / scope_share), 4 * fts_k)
+            found, cut = await best(words, fk)
+            if len(found) >= k or not cut:
+                return found
+        return (await best(f'scope : "{scope_term}" AND {words}', fts_k))[0]
     ld = t.lexical_docs.c
     cfg: Any = literal_column("'simple'::regconfig")
     tsv = func.to_tsvector(cfg, ld.terms)
