@@ -188,6 +188,19 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
     return reader.rows(q.sql, q.parameters(values))
 
 
+async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any]
+                   ) -> Sequence[Sequence[Any]]:
+    """The rows of one SQLite SELECT (`?` parameters): on the calling thread where the
+    store can (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit
+    read), else on `conn`."""
+    reader = store.recorder.point_reads() if store.vault is None else None
+    if reader is not None:
+        rows = reader.rows(sql, params)
+        if rows is not None:
+            return rows
+    return (await conn.exec_driver_sql(sql, tuple(params))).all()
+
+
 # -- the lexical index's full-text engine (`projections.lexical`) ------------------------
 
 async def lexical_merge(store: Store, conn: AsyncConnection) -> None:
@@ -238,22 +251,18 @@ async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequen
     # Two SELECTs, not one with OR: fts5vocab serves a term constraint only when it is
     # not under an OR (with one, the scope row was silently missing).
     scope = (f" UNION ALL SELECT col, term, doc FROM temp.{vocab} "
-             "WHERE col = 'scope' AND term = :scope" if scope_term is not None else "")
-    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), v.* FROM ("
-             f"SELECT col, term, doc FROM temp.{vocab} WHERE col = 'terms' AND term IN "
-             f"({', '.join(f':t{i}' for i in range(len(terms)))}){scope}) AS v")
-    params = {f"t{i}": x for i, x in enumerate(terms)}
-    if scope_term is not None:
-        params["scope"] = scope_term
+             "WHERE col = 'scope' AND term = ?" if scope_term is not None else "")
+    sql = (f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), v.* FROM ("
+           f"SELECT col, term, doc FROM temp.{vocab} WHERE col = 'terms' AND term IN "
+           f"({', '.join('?' for _ in terms)}){scope}) AS v")
+    params = [*terms, *([scope_term] if scope_term is not None else [])]
     try:
-        rows = (await conn.execute(q, params)).all()
+        rows = await read_sql(store, conn, sql, params)
     except OperationalError as e:
         if f"no such table: temp.{vocab}" not in str(e):
             raise
-        await conn.exec_driver_sql(
-            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{vocab} "
-            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
-        rows = (await conn.execute(q, params)).all()
+        await conn.exec_driver_sql(t.LEXICAL_VOCAB_DDL)
+        rows = await read_sql(store, conn, sql, params)
     if not rows or not rows[0][0]:
         return {}, None
     total = _averages_rows(bytes(rows[0][0]))
@@ -295,22 +304,21 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
         words = "terms : (" + " OR ".join(f'"{x}"' for x in terms) + ")"
         layers = ["d.layer = 'long'"]
         if task is not None:
-            layers.append("(d.layer = 'task' AND d.task_key = :task)")
+            layers.append("(d.layer = 'task' AND d.task_key = ?)")
         if session is not None:
-            layers.append("(d.layer = 'session' AND d.session_id = :session)")
-        q = text(
-            "SELECT d.item_id, f.s, (d.tenant = :tenant AND substr(d.ns_path, 1, :plen) "
-            f"= :prefix AND ({' OR '.join(layers)})) FROM ("
+            layers.append("(d.layer = 'session' AND d.session_id = ?)")
+        sql = (
+            "SELECT d.item_id, f.s, (d.tenant = ? AND substr(d.ns_path, 1, ?) = ? "
+            f"AND ({' OR '.join(layers)})) FROM ("
             f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
-            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
-            "ORDER BY s DESC LIMIT :fk) AS f "
+            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH ? "
+            "ORDER BY s DESC LIMIT ?) AS f "
             "CROSS JOIN lexical_docs AS d ON d.docid = f.rid ORDER BY f.s DESC, d.item_id")
-        params: dict[str, Any] = {"tenant": tenant, "plen": len(prefix), "prefix": prefix,
-                                  "task": task, "session": session}
-        params = {n: v for n, v in params.items() if f":{n}" in q.text}
+        head = [tenant, len(prefix), prefix, *([task] if task is not None else []),
+                *([session] if session is not None else [])]
 
         async def best(match: str, fk: int) -> tuple[list[tuple[str, Any]], bool]:
-            rows = (await conn.execute(q, {**params, "match": match, "fk": fk})).all()
+            rows = await read_sql(store, conn, sql, [*head, match, fk])
             return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
 
         if scope_share is not None and scope_share >= unscoped_from:
