@@ -248,30 +248,53 @@ async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequen
             return {}, None
         freq = dict(zip(row[0], row[1], strict=False))
         return {x: float(freq[x]) for x in terms if x in freq}, None
-    # Two SELECTs, not one with OR: fts5vocab serves a term constraint only when it is
-    # not under an OR (with one, the scope row was silently missing).
-    scope = (f" UNION ALL SELECT col, term, doc FROM temp.{vocab} "
-             "WHERE col = 'scope' AND term = ?" if scope_term is not None else "")
-    sql = (f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), v.* FROM ("
-           f"SELECT col, term, doc FROM temp.{vocab} WHERE col = 'terms' AND term IN "
-           f"({', '.join('?' for _ in terms)}){scope}) AS v")
-    params = [*terms, *([scope_term] if scope_term is not None else [])]
-    try:
-        rows = await read_sql(store, conn, sql, params)
-    except OperationalError as e:
-        if f"no such table: temp.{vocab}" not in str(e):
-            raise
-        await conn.exec_driver_sql(t.LEXICAL_VOCAB_DDL)
-        rows = await read_sql(store, conn, sql, params)
-    if not rows or not rows[0][0]:
+    head = await read_sql(store, conn, f"SELECT id, block FROM {t.LEXICAL_FTS}_data "
+                          "WHERE id IN (1, 10)", [])
+    blocks = {int(r[0]): bytes(r[1]) for r in head if r[1] is not None}
+    if not blocks.get(1):
         return {}, None
-    total = _averages_rows(bytes(rows[0][0]))
+    total = _averages_rows(blocks[1])
     if total <= 0:
         return {}, None
-    own = next((int(r[3]) / total for r in rows if r[1] == "scope"), None)
+    # Document counts are cached per store while FTS5's structure record (id 10,
+    # rewritten by every change to the index) stays the same: each fts5vocab look-up
+    # seeks the term in every segment (~0.5 ms a term on the loaded machine).
+    key = (store.url, id(store))
+    cache = _DF_CACHE.get(key)
+    if cache is None or cache[0] != blocks.get(10):
+        cache = _DF_CACHE[key] = (blocks.get(10), {})
+    known = cache[1]
+    want = [("terms", x) for x in terms if ("terms", x) not in known]
+    if scope_term is not None and ("scope", scope_term) not in known:
+        want.append(("scope", scope_term))
+    if want:
+        # One SELECT per term joined by UNION ALL: fts5vocab serves a term constraint
+        # only as `term = ?` (under an OR it was silently ignored; IN costs a scan).
+        sql = " UNION ALL ".join(f"SELECT col, term, doc FROM temp.{vocab} "
+                                 "WHERE col = ? AND term = ?" for _ in want)
+        params = [v for pair in want for v in pair]
+        try:
+            rows = await read_sql(store, conn, sql, params)
+        except OperationalError as e:
+            if f"no such table: temp.{vocab}" not in str(e):
+                raise
+            await conn.exec_driver_sql(t.LEXICAL_VOCAB_DDL)
+            rows = await read_sql(store, conn, sql, params)
+        if len(_DF_CACHE) > 64:
+            _DF_CACHE.clear()
+        if len(known) > 100_000:
+            known.clear()
+        known.update(dict.fromkeys(want, 0))
+        known.update({(str(r[0]), str(r[1])): int(r[2]) for r in rows})
+    own = (known[("scope", scope_term)] / total if scope_term is not None else None)
     if total < min_docs:
         return {}, own
-    return {r[2]: int(r[3]) / total for r in rows if r[1] == "terms"}, own
+    return {x: known[("terms", x)] / total for x in terms
+            if known.get(("terms", x))}, own
+
+
+#: Per store (URL and object): (FTS5 structure record, {(column, term): document count}).
+_DF_CACHE: dict[tuple[str, int], tuple[bytes | None, dict[tuple[str, str], int]]] = {}
 
 
 async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
