@@ -320,6 +320,7 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
     principal's, they are exactly its best `k` (the scores are the same either way:
     the scope column has weight 0 and the statistics are the index's); if the
     subquery was cut by its LIMIT before `k` were found, the scoped match runs instead.
+    Equal scores are ordered by row id in both queries, so ties resolve the same way.
 
     PostgreSQL: the rows of `scope` (the same conditions as SQLAlchemy clauses)
     matching the terms, at most `pg_cap` of them, ranked by `ts_rank`."""
@@ -335,8 +336,8 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
             f"AND ({' OR '.join(layers)})) FROM ("
             f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
             f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH ? "
-            "ORDER BY s DESC LIMIT ?) AS f "
-            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid ORDER BY f.s DESC, d.item_id")
+            "ORDER BY s DESC, rowid LIMIT ?) AS f "
+            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid ORDER BY f.s DESC, f.rid")
         head = [tenant, len(prefix), prefix, *([task] if task is not None else []),
                 *([session] if session is not None else [])]
 
