@@ -14,7 +14,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 from numpy.typing import NDArray
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import BigInteger, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -113,7 +113,8 @@ def _recheck_statement(ids: Any, task: Any, session: Any) -> Any:
         mv.tenant == bindparam("tenant"), mv.memory_id.in_(ids),
         func.coalesce(mv.status, "") == "active",
         func.substr(mv.ns_path, 1, bindparam("plen")) == bindparam("prefix"),
-        reads.layer_filter(task, session), reads.not_expired(bindparam("now")),
+        reads.layer_filter(task, session),
+        reads.not_expired(bindparam("now", type_=BigInteger)),  # type: ignore[arg-type]
         reads.not_forgotten())
 
 
