@@ -17,8 +17,8 @@ words a memory contains, which is why a forget deletes the entry (R20).
 
 Backends:
 
-- SQLite: FTS5, contentless (`content=''`, `detail=column`), so the index stores only
-  term -> row lists; triggers on `lexical_docs` keep it equal to that table, and a
+- SQLite: FTS5, contentless (`content=''`, FTS5's default `detail=full`), so the index
+  stores only term -> row and position lists; triggers on `lexical_docs` keep it equal to that table, and a
   batch with a forget merges the index (`optimize`) so the forgotten terms leave its
   segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
   BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
