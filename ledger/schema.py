@@ -355,6 +355,11 @@ lexical_docs = Table(
 #: `lexical_docs`, kept equal to it by triggers, so every delete of a row (a forget, a
 #: rebuild, a restore) leaves the index too.
 LEXICAL_FTS: Final = "lexical_fts"
+#: A per-connection TEMP `fts5vocab` view of the index (each term's document count, for
+#: recall's frequent-term drop): no schema object, created on a connection's first use.
+LEXICAL_VOCAB: Final = "lexical_vocab"
+LEXICAL_VOCAB_DDL: Final = (f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{LEXICAL_VOCAB} "
+                            f"USING fts5vocab(main, {LEXICAL_FTS}, 'col')")
 _SQLITE_LEXICAL_DDL: Final = (
     f"CREATE VIRTUAL TABLE IF NOT EXISTS {LEXICAL_FTS} USING fts5("
     "scope, terms, content='', tokenize='unicode61 remove_diacritics 0')",

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 import structlog
-from sqlalchemy import BigInteger, Integer, String, and_, cast, func, literal, select
+from sqlalchemy import BigInteger, Integer, String, and_, bindparam, cast, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -21,7 +21,7 @@ from projections import reads
 from projections.embedding import Embedder
 from projections.principal_index import Group, PrincipalIndex, group_key, norm_key
 from projections.shards import DEFAULT_SHARDS, SHARDS_META, tenant_hash
-from projections.sql import prefix_match, prefix_range
+from projections.sql import PointQuery, point_rows, prefix_match, prefix_range
 from projections.vectors import (
     PENDING_META,
     TASK_PREFIX,
@@ -88,27 +88,39 @@ class Positions:
     head: int  # the ledger's head
 
 
-async def read_positions(conn: AsyncConnection, tenant: str) -> Positions:
-    """Where the tenant's shard of the index and the ledger stand, in one round trip.
-
-    The index of a tenant is as far as its shard of the `vectors` projection
-    (`projections.shards`): its own row if it moved on its own, else the base.
-    """
+def _positions_statement() -> Any:
     cp, meta, sc = t.checkpoints.c, t.meta.c, t.shard_checkpoints.c
     count = func.coalesce(select(cast(meta.value, Integer)).where(
         meta.name == SHARDS_META).scalar_subquery(), DEFAULT_SHARDS)
-    shard = literal(tenant_hash(tenant), BigInteger) % count
+    shard = bindparam("tenant_hash", type_=BigInteger) % count
     mine = (sc.projection == "vectors") & (sc.shard == shard)
     pending = select(func.min(cast(meta.value, BigInteger))).where(
         (meta.name == PENDING_META)
         | (meta.name == literal(PENDING_META + ".") + cast(shard, String))).scalar_subquery()
-    row = (await conn.execute(select(
+    return select(
         select(cp.position).where(cp.name == "vectors").scalar_subquery(),
         select(cp.updated_at).where(cp.name == "vectors").scalar_subquery(),
         select(sc.position).where(mine).scalar_subquery(),
         select(sc.updated_at).where(mine).scalar_subquery(),
         pending,
-        select(func.max(t.events.c.position)).scalar_subquery()))).one()
+        select(func.max(t.events.c.position)).scalar_subquery())
+
+
+#: Built and compiled once (every recall runs it first); point reads on SQLite files.
+_POSITIONS: Final = PointQuery(_positions_statement())
+
+
+async def read_positions(conn: AsyncConnection, tenant: str, store: Store | None = None
+                         ) -> Positions:
+    """Where the tenant's shard of the index and the ledger stand, in one round trip
+    (on the calling thread for a SQLite file when `store` is given).
+
+    The index of a tenant is as far as its shard of the `vectors` projection
+    (`projections.shards`): its own row if it moved on its own, else the base.
+    """
+    values = {"tenant_hash": tenant_hash(tenant)}
+    got = point_rows(store, _POSITIONS, values) if store is not None else None
+    row = got[0] if got else (await conn.execute(_POSITIONS.stmt, values)).one()
     position = max(int(row[0] or 0), int(row[2] or 0))
     stamp = max(float(row[1] or 0.0), float(row[3] or 0.0))
     return Positions(position, stamp, int(row[4]) if row[4] is not None else None,

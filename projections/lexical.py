@@ -17,8 +17,8 @@ words a memory contains, which is why a forget deletes the entry (R20).
 
 Backends:
 
-- SQLite: FTS5, contentless (`content=''`, `detail=column`), so the index stores only
-  term -> row lists; triggers on `lexical_docs` keep it equal to that table, and a
+- SQLite: FTS5, contentless (`content=''`, FTS5's default `detail=full`), so the index
+  stores only term -> row and position lists; triggers on `lexical_docs` keep it equal to that table, and a
   batch with a forget merges the index (`optimize`) so the forgotten terms leave its
   segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
   BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
@@ -80,6 +80,11 @@ MIN_DF_DOCS: Final = 50
 #: FTS5's best `FTS_FACTOR x k` entries are joined to their rows, of which `k` are kept
 #: (the join re-checks tenant, namespace prefix and layer, which may drop some).
 FTS_FACTOR: Final = 2
+#: SQLite: when the principal's entries are at least this share of the index, its scope
+#: term is left out of the full-text match and checked on the joined rows only
+#: (`projections.sql.lexical_hits`: the same best entries, half the work for a
+#: principal that is most of the index).
+UNSCOPED_FROM: Final = 0.5
 #: PostgreSQL: matching rows ranked by `ts_rank` at most (taken in index order).
 PG_MATCH_CAP: Final = 2000
 #: Per-connection TEMP `fts5vocab` view of the index (term document counts).
@@ -221,10 +226,19 @@ def _layers(task: str | None, session: str | None) -> Any:
     return or_(*conds)
 
 
-async def frequent_terms(conn: AsyncConnection, store: Store, qt: Sequence[str]) -> set[str]:
+async def frequent_terms(conn: AsyncConnection, store: Store, qt: Sequence[str],
+                         scope: str | None = None) -> set[str]:
     """Those of the query terms `qt` in more than `MAX_DF_FRACTION` of the entries."""
-    shares = await lexical_term_shares(store, conn, qt, vocab=VOCAB, min_docs=MIN_DF_DOCS)
-    return {x for x, share in shares.items() if share > MAX_DF_FRACTION}
+    return (await _frequent_and_scope_share(conn, store, qt, scope))[0]
+
+
+async def _frequent_and_scope_share(conn: AsyncConnection, store: Store, qt: Sequence[str],
+                                    scope: str | None) -> tuple[set[str], float | None]:
+    """The frequent query terms, and the share of the index that is the principal's
+    (hashed `scope` term; None where not known), from one look-up."""
+    shares, own = await lexical_term_shares(store, conn, qt, vocab=VOCAB,
+                                            min_docs=MIN_DF_DOCS, scope_term=scope)
+    return {x for x, share in shares.items() if share > MAX_DF_FRACTION}, own
 
 
 async def search(conn: AsyncConnection, store: Store, who: Principal, query: str, *,
@@ -240,13 +254,14 @@ async def search(conn: AsyncConnection, store: Store, who: Principal, query: str
     qt = query_terms(query)
     if not qt:
         return []
-    frequent = await frequent_terms(conn, store, qt)
+    mine = scope_term(who.tenant, who.user)
+    frequent, own = await _frequent_and_scope_share(conn, store, qt, mine)
     qt = [x for x in qt if x not in frequent] or qt
     ld = t.lexical_docs.c
     scope = [ld.tenant == who.tenant, prefix_match(ld.ns_path, who.prefix),
              *prefix_range(store, ld.ns_path, who.prefix), _layers(task, session)]
-    rows = await lexical_hits(store, conn, scope_term(who.tenant, who.user), qt,
-                              tenant=who.tenant, prefix=who.prefix, task=task,
-                              session=session, scope=scope, k=k, fts_k=FTS_FACTOR * k,
-                              pg_cap=PG_MATCH_CAP)
+    rows = await lexical_hits(store, conn, mine, qt, tenant=who.tenant, prefix=who.prefix,
+                              task=task, session=session, scope=scope, k=k,
+                              fts_k=FTS_FACTOR * k, pg_cap=PG_MATCH_CAP, scope_share=own,
+                              unscoped_from=UNSCOPED_FROM)
     return [(item, float(score)) for item, score in rows]

@@ -53,7 +53,7 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     qtext = (query or "").strip() or None
     qvec = embed_queries(emb, [qtext])[0] if qtext else None
     async with store.read() as conn:
-        at = await read_positions(conn, who.tenant)
+        at = await read_positions(conn, who.tenant, store)
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)
         rows, cands = await valid_candidates(conn, store, who, idx, qtext, qvec, lag, emb,

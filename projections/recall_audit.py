@@ -14,6 +14,7 @@ import orjson
 from ledger import schema as t
 from ledger.store import Store
 from projections import reads
+from projections.sql import insert_rows
 
 
 async def write_audit(store: Store, who: reads.Principal, query: str | None,
@@ -34,15 +35,16 @@ async def write_audit(store: Store, who: reads.Principal, query: str | None,
                    "reason": x["reason"], "ambiguous": x["ambiguous"]} for x in tasks)
     at = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=now_us)).isoformat(
         timespec="microseconds")
+    # Plain rows through `insert_rows` (on SQLite: the driver's executemany, no
+    # statement compiled per call); one short write transaction.
     async with store.view_write() as conn:
-        await conn.execute(t.recall_audit.insert().values(
-            audit_id=audit_id, at=at, tenant=who.tenant,
-            principal=f"{who.tenant}/{who.user}",
-            query_digest=hashlib.sha256(query.encode()).hexdigest() if query else None,
-            items=orjson.dumps(record)))
-        if items:
-            await conn.execute(t.recall_audit_items.insert(), [
-                {"audit_id": audit_id, "tenant": who.tenant, "memory_id": i["memory_id"]}
-                for i in items])
+        await insert_rows(store, conn, t.recall_audit, [{
+            "audit_id": audit_id, "at": at, "tenant": who.tenant,
+            "principal": f"{who.tenant}/{who.user}",
+            "query_digest": hashlib.sha256(query.encode()).hexdigest() if query else None,
+            "items": orjson.dumps(record)}])
+        await insert_rows(store, conn, t.recall_audit_items, [
+            {"audit_id": audit_id, "tenant": who.tenant, "memory_id": i["memory_id"]}
+            for i in items])
     return audit_id
 

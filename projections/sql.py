@@ -9,6 +9,7 @@ writes one statement for both backends.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -187,6 +188,19 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
     return reader.rows(q.sql, q.parameters(values))
 
 
+async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any]
+                   ) -> Sequence[Sequence[Any]]:
+    """The rows of one SQLite SELECT (`?` parameters): on the calling thread where the
+    store can (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit
+    read), else on `conn`."""
+    reader = store.recorder.point_reads() if store.vault is None else None
+    if reader is not None:
+        rows = reader.rows(sql, params)
+        if rows is not None:
+            return rows
+    return (await conn.exec_driver_sql(sql, tuple(params))).all()
+
+
 # -- the lexical index's full-text engine (`projections.lexical`) ------------------------
 
 async def lexical_merge(store: Store, conn: AsyncConnection) -> None:
@@ -212,9 +226,12 @@ def _averages_rows(block: bytes) -> int:
 
 
 async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
-                              vocab: str, min_docs: int) -> dict[str, float]:
+                              vocab: str, min_docs: int, scope_term: str | None = None
+                              ) -> tuple[dict[str, float], float | None]:
     """The share of the index's entries holding each of `terms` (those known; none
-    while the index has fewer than `min_docs` entries, or has no statistics yet).
+    while the index has fewer than `min_docs` entries, or has no statistics yet), and
+    the share of entries carrying `scope_term` in their scope column (None where not
+    known: PostgreSQL, or no statistics).
 
     SQLite, one statement: the entry count from FTS5's own "averages" record (what
     `bm25` reads) and each term's document count from an `fts5vocab` view of the index
@@ -228,34 +245,63 @@ async def lexical_term_shares(store: Store, conn: AsyncConnection, terms: Sequen
             "WHERE schemaname = current_schema() AND tablename = 'ix_lexical_tsv' LIMIT 1"
         ))).first()
         if row is None or row[0] is None or row[1] is None:
-            return {}
+            return {}, None
         freq = dict(zip(row[0], row[1], strict=False))
-        return {x: float(freq[x]) for x in terms if x in freq}
-    q = text(f"SELECT (SELECT block FROM {t.LEXICAL_FTS}_data WHERE id = 1), term, doc "
-             f"FROM temp.{vocab} WHERE col = 'terms' AND term IN "
-             f"({', '.join(f':t{i}' for i in range(len(terms)))})")
-    params = {f"t{i}": x for i, x in enumerate(terms)}
-    try:
-        rows = (await conn.execute(q, params)).all()
-    except OperationalError as e:
-        if f"no such table: temp.{vocab}" not in str(e):
-            raise
-        await conn.exec_driver_sql(
-            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.{vocab} "
-            f"USING fts5vocab(main, {t.LEXICAL_FTS}, 'col')")
-        rows = (await conn.execute(q, params)).all()
-    if not rows or not rows[0][0]:
-        return {}
-    total = _averages_rows(bytes(rows[0][0]))
+        return {x: float(freq[x]) for x in terms if x in freq}, None
+    head = await read_sql(store, conn, f"SELECT id, block FROM {t.LEXICAL_FTS}_data "
+                          "WHERE id IN (1, 10)", [])
+    blocks = {int(r[0]): bytes(r[1]) for r in head if r[1] is not None}
+    if not blocks.get(1):
+        return {}, None
+    total = _averages_rows(blocks[1])
+    if total <= 0:
+        return {}, None
+    # Document counts are cached per store while FTS5's structure record (id 10,
+    # rewritten by every change to the index) stays the same: each fts5vocab look-up
+    # seeks the term in every segment (~0.5 ms a term on the loaded machine).
+    key = (store.url, id(store))
+    cache = _DF_CACHE.get(key)
+    if cache is None or cache[0] != blocks.get(10):
+        cache = _DF_CACHE[key] = (blocks.get(10), {})
+    known = cache[1]
+    want = [("terms", x) for x in terms if ("terms", x) not in known]
+    if scope_term is not None and ("scope", scope_term) not in known:
+        want.append(("scope", scope_term))
+    if want:
+        # One SELECT per term joined by UNION ALL: fts5vocab serves a term constraint
+        # only as `term = ?` (under an OR it was silently ignored; IN costs a scan).
+        sql = " UNION ALL ".join(f"SELECT col, term, doc FROM temp.{vocab} "
+                                 "WHERE col = ? AND term = ?" for _ in want)
+        params = [v for pair in want for v in pair]
+        try:
+            rows = await read_sql(store, conn, sql, params)
+        except OperationalError as e:
+            if f"no such table: temp.{vocab}" not in str(e):
+                raise
+            await conn.exec_driver_sql(t.LEXICAL_VOCAB_DDL)
+            rows = await read_sql(store, conn, sql, params)
+        if len(_DF_CACHE) > 64:
+            _DF_CACHE.clear()
+        if len(known) > 100_000:
+            known.clear()
+        known.update(dict.fromkeys(want, 0))
+        known.update({(str(r[0]), str(r[1])): int(r[2]) for r in rows})
+    own = (known[("scope", scope_term)] / total if scope_term is not None else None)
     if total < min_docs:
-        return {}
-    return {r[1]: int(r[2]) / total for r in rows}
+        return {}, own
+    return {x: known[("terms", x)] / total for x in terms
+            if known.get(("terms", x))}, own
+
+
+#: Per store (URL and object): (FTS5 structure record, {(column, term): document count}).
+_DF_CACHE: dict[tuple[str, int], tuple[bytes | None, dict[tuple[str, str], int]]] = {}
 
 
 async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
                        terms: Sequence[str], *, tenant: str, prefix: str,
                        task: str | None, session: str | None, scope: Sequence[Any],
-                       k: int, fts_k: int, pg_cap: int) -> list[tuple[str, Any]]:
+                       k: int, fts_k: int, pg_cap: int, scope_share: float | None = None,
+                       unscoped_from: float = 1.0) -> list[tuple[str, Any]]:
     """The item ids of `lexical_docs` matching any of `terms` inside one principal's
     scope, with their score (higher is better), best first, at most `k`.
 
@@ -263,30 +309,48 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
     hashed `scope_term` required in the match itself, taken in a subquery with its own
     LIMIT (never flattened into the join); only those are joined to their rows and
     checked again for tenant, namespace prefix and layer; CROSS JOIN keeps SQLite from
-    starting at `lexical_docs`. PostgreSQL: the rows of `scope` (the same conditions as
-    SQLAlchemy clauses) matching the terms, at most `pg_cap` of them, ranked by
-    `ts_rank`."""
+    starting at `lexical_docs`.
+
+    When the principal's entries are at least `unscoped_from` of the index
+    (`scope_share`, from `lexical_term_shares`), the scope term is left out of the
+    match: intersecting with a doclist that covers most of the index costs more than
+    the few other entries it removes (one user with 100k memories: about half of the
+    query). The subquery then takes FTS5's best `fts_k / scope_share` of the whole
+    index; the join checks each row's scope as before. If at least `k` of them are the
+    principal's, they are exactly its best `k` (the scores are the same either way:
+    the scope column has weight 0 and the statistics are the index's); if the
+    subquery was cut by its LIMIT before `k` were found, the scoped match runs instead.
+    Equal scores are ordered by row id in both queries, so ties resolve the same way.
+
+    PostgreSQL: the rows of `scope` (the same conditions as SQLAlchemy clauses)
+    matching the terms, at most `pg_cap` of them, ranked by `ts_rank`."""
     if store.dialect == "sqlite":
-        match = (f'scope : "{scope_term}" AND terms : ('
-                 + " OR ".join(f'"{x}"' for x in terms) + ")")
+        words = "terms : (" + " OR ".join(f'"{x}"' for x in terms) + ")"
         layers = ["d.layer = 'long'"]
         if task is not None:
-            layers.append("(d.layer = 'task' AND d.task_key = :task)")
+            layers.append("(d.layer = 'task' AND d.task_key = ?)")
         if session is not None:
-            layers.append("(d.layer = 'session' AND d.session_id = :session)")
-        q = text(
-            "SELECT d.item_id, f.s FROM ("
+            layers.append("(d.layer = 'session' AND d.session_id = ?)")
+        sql = (
+            "SELECT d.item_id, f.s, (d.tenant = ? AND substr(d.ns_path, 1, ?) = ? "
+            f"AND ({' OR '.join(layers)})) FROM ("
             f"SELECT rowid AS rid, -bm25({t.LEXICAL_FTS}, 0.0, 1.0) AS s "
-            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH :match "
-            "ORDER BY s DESC LIMIT :fk) AS f "
-            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid "
-            "WHERE d.tenant = :tenant AND substr(d.ns_path, 1, :plen) = :prefix "
-            f"AND ({' OR '.join(layers)}) ORDER BY f.s DESC, d.item_id LIMIT :k")
-        params = {"match": match, "tenant": tenant, "plen": len(prefix),
-                  "prefix": prefix, "task": task, "session": session, "k": k,
-                  "fk": fts_k}
-        params = {n: v for n, v in params.items() if f":{n}" in q.text}
-        return [(r[0], r[1]) for r in (await conn.execute(q, params)).all()]
+            f"FROM {t.LEXICAL_FTS} WHERE {t.LEXICAL_FTS} MATCH ? "
+            "ORDER BY s DESC, rowid LIMIT ?) AS f "
+            "CROSS JOIN lexical_docs AS d ON d.docid = f.rid ORDER BY f.s DESC, f.rid")
+        head = [tenant, len(prefix), prefix, *([task] if task is not None else []),
+                *([session] if session is not None else [])]
+
+        async def best(match: str, fk: int) -> tuple[list[tuple[str, Any]], bool]:
+            rows = await read_sql(store, conn, sql, [*head, match, fk])
+            return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
+
+        if scope_share is not None and scope_share >= unscoped_from:
+            fk = min(math.ceil(fts_k / scope_share), 4 * fts_k)
+            found, cut = await best(words, fk)
+            if len(found) >= k or not cut:
+                return found
+        return (await best(f'scope : "{scope_term}" AND {words}', fts_k))[0]
     ld = t.lexical_docs.c
     cfg: Any = literal_column("'simple'::regconfig")
     tsv = func.to_tsvector(cfg, ld.terms)

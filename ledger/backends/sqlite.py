@@ -61,6 +61,7 @@ from ledger.recorder import (
     WriteLock,
     raise_translated,
 )
+from ledger.schema import LEXICAL_VOCAB_DDL
 
 PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
                   "secure_delete=ON", "foreign_keys=ON")
@@ -274,6 +275,10 @@ class PointReads:
         conn = sqlite3.connect(self.uri, uri=True, isolation_level=None,
                                check_same_thread=False, cached_statements=64)
         conn.execute("PRAGMA busy_timeout=0")
+        # Before query_only: a TEMP view of the full-text index's vocabulary (recall's
+        # frequent-term look-up); it writes nothing to the database file.
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute(LEXICAL_VOCAB_DDL)
         conn.execute("PRAGMA query_only=ON")
         held = _Held(conn, self._generation)
         with self._mutex:

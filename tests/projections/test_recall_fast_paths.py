@@ -1,0 +1,161 @@
+"""Recall's fast paths answer exactly as the plain ones (R14, R15, R20, R24, R2).
+
+- the lexical arm leaves the principal's scope term out of the full-text match when the
+  principal is most of the index (`projections.sql.lexical_hits`): the same entries;
+- the term document counts are cached while the index is unchanged, and follow it when
+  it changes;
+- the re-check on the calling thread (SQLite point reads) returns the same rows as the
+  statement on the read connection: tombstones, expiry, layers and scope included.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import text
+
+from ledger.store import Store
+from ledger.validation import parse_event
+from projections import lexical, reads
+from projections.candidates import recheck
+from projections.lexical import frequent_terms, search
+from projections.runner import Runner
+from tests.factories import event, src, write
+
+U7 = reads.Principal("shop-a", "u7")
+U8 = reads.Principal("shop-a", "u8")
+NOW = 1_900_000_000_000_000
+WORDS = ["kiwi", "mango", "refund", "earbud", "ticket", "python", "java", "order", "reply",
+         "language", "coffee", "tea", "walk", "train", "gift", "budget"]
+
+
+def at(minute: int) -> str:
+    return f"2026-09-20T10:{minute:02d}:00+08:00"
+
+
+async def append(store: Store, *events: dict[str, Any]) -> None:
+    await store.append([parse_event(e) for e in events])
+
+
+async def ranked(store: Store, who: reads.Principal, query: str, k: int,
+                 unscoped_from: float, monkeypatch: pytest.MonkeyPatch
+                 ) -> list[tuple[str, float]]:
+    monkeypatch.setattr(lexical, "UNSCOPED_FROM", unscoped_from)
+    async with store.read() as conn:
+        got = await search(conn, store, who, query, task=None, session=None, k=k)
+    return [(m, round(s, 9)) for m, s in got]
+
+
+async def corpus(store: Store, rng: random.Random, mine: int, theirs: int) -> None:
+    """`mine` memories of u7 and `theirs` of u8, each a few random words."""
+    events = [write(f"k{i}", " ".join(rng.sample(WORDS, rng.randint(1, 5))),
+                    memory_id=f"M{i}", source=src(at=at(1))) for i in range(mine)]
+    events += [write(f"k{i}", " ".join(rng.sample(WORDS, rng.randint(1, 5))), user="u8",
+                     memory_id=f"O{i}", source=src(at=at(1))) for i in range(theirs)]
+    await append(store, *events)
+    await Runner(store).catch_up()
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [(90, 10), (60, 60), (10, 90)])
+async def test_unscoped_match_finds_the_same_entries(store: Store, mine: int, theirs: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the principal's share of the index, leaving its scope term out of the
+    match (forced here with a threshold of 0) gives the scoped match's entries, in the
+    same order; when another principal's entries crowd the unscoped page, the scoped
+    match runs instead. Never an entry of another user (R24)."""
+    rng = random.Random(mine * 1000 + theirs)
+    await corpus(store, rng, mine, theirs)
+    for _ in range(12):
+        query = " ".join(rng.sample(WORDS, rng.randint(1, 4)))
+        for k in (1, 3, 10):
+            scoped = await ranked(store, U7, query, k, 2.0, monkeypatch)
+            unscoped = await ranked(store, U7, query, k, 0.0, monkeypatch)
+            assert unscoped == scoped, (query, k)
+            assert all(m.startswith("M") for m, _ in unscoped)
+            assert all(m.startswith("O") for m, _ in
+                       await ranked(store, U8, query, k, 0.0, monkeypatch))
+
+
+async def test_term_counts_follow_the_index(store: Store) -> None:
+    """The frequent-term look-up is cached while the index is unchanged; a change to the
+    index (here: many new entries holding a once rare word) is seen at once."""
+    n = 2 * lexical.MIN_DF_DOCS
+    await append(store, *(write(f"note_{i}", f"order note {i}" + (" earbud" if i == 0 else ""),
+                                memory_id=f"N{i}") for i in range(n)))
+    await Runner(store).catch_up()
+
+    async def frequent() -> set[str]:
+        if store.dialect != "sqlite":
+            async with store.write() as conn:
+                await conn.execute(text("ANALYZE lexical_docs"))
+        async with store.read() as conn:
+            return await frequent_terms(conn, store, ["order", "earbud"],
+                                        lexical.scope_term(U7.tenant, U7.user))
+
+    assert await frequent() == {"order"}
+    assert await frequent() == {"order"}  # from the cache on SQLite: the same answer
+    await append(store, *(write(f"bud_{i}", f"earbud {i}", memory_id=f"B{i}")
+                          for i in range(n)))
+    await Runner(store).catch_up()
+    assert await frequent() == {"order", "earbud"}
+
+
+async def valid_rows(store: Store, ids: list[str], *, task: str | None,
+                     session: str | None, point: bool) -> list[tuple[Any, ...]]:
+    async with store.read() as conn:
+        rows = await recheck(conn, U7, ids, now_us=NOW, task=task, session=session,
+                             store=store if point else None)
+    return sorted((r.memory_id, r.layer, r.version, r.mkey, r.ns_path) for r in rows)
+
+
+async def test_point_recheck_matches_the_read_connection(store: Store) -> None:
+    """Active, unexpired, unforgotten rows of the principal in the layer filter only,
+    the same on both paths: a forgotten, an expired, a superseded, another user's and
+    another session's or task's memory are dropped by both (R14, R15, R20, R2)."""
+    await append(
+        store,
+        write("a", "kept", memory_id="A", source=src(at=at(1))),
+        write("b", "forgotten", memory_id="B", source=src(at=at(1))),
+        write("c", "expired", memory_id="C", expires_at="2026-10-01T00:00:00Z",
+              source=src(at=at(1))),
+        write("d", "old", memory_id="D1", source=src(at=at(1))),
+        write("d", "new", memory_id="D2", source=src(at=at(2))),
+        write("e", "theirs", user="u8", memory_id="E", source=src(at=at(1))),
+        write("f", "task fact", memory_id="F", layer="task", task_key="T1",
+              source=src(at=at(1))),
+        write("g", "session fact", memory_id="G", layer="session", session_id="C18",
+              source=src(sid="C18", at=at(1))),
+        event("memory.forgotten", {"memory_id": "B"}, source=src(at=at(3))))
+    await Runner(store).catch_up()
+    ids = ["A", "B", "C", "D1", "D2", "E", "F", "G", "missing"]
+    for task, session in [(None, None), ("T1", None), (None, "C18"), ("T1", "C18"),
+                          ("T2", "C19")]:
+        plain = await valid_rows(store, ids, task=task, session=session, point=False)
+        point = await valid_rows(store, ids, task=task, session=session, point=True)
+        assert point == plain
+        want = {"A", "D2"} | ({"F"} if task == "T1" else set()) \
+            | ({"G"} if session == "C18" else set())
+        assert {r[0] for r in point} == want
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["A", "B", "C", "D1", "D2", "E", "x", "A"]), max_size=12))
+async def test_point_recheck_any_id_list(store: Store, ids: list[str]) -> None:
+    """For any list of ids (repeats, unknown ids, none), both paths agree."""
+    # The same idempotency keys every example: appended once, then a no-op.
+    await append(store, write("a", "kept", memory_id="A", idem="h-a", source=src(at=at(1))),
+                 write("b", "gone", memory_id="B", idem="h-b", source=src(at=at(1))),
+                 write("e", "theirs", user="u8", memory_id="E", idem="h-e",
+                       source=src(at=at(1))),
+                 event("memory.forgotten", {"memory_id": "B"}, idem="h-f",
+                       source=src(at=at(3))))
+    await Runner(store).catch_up()
+    plain = await valid_rows(store, ids, task=None, session=None, point=False)
+    assert await valid_rows(store, ids, task=None, session=None, point=True) == plain
+    assert {r[0] for r in plain} == {"A"} & set(ids)
+
