@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
             "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys", "shards",
-            "vault", "history", "db"}
+            "vault", "history", "db", "config"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None, module: bool = False,
