@@ -36,7 +36,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0005_lexical"
+SCHEMA_REVISION: Final = "0006_embedder_config_cache"
 
 metadata = MetaData()
 
@@ -328,6 +328,31 @@ vectors = Table(
     Column("vector", LargeBinary, nullable=False),
     PrimaryKeyConstraint("tenant", "item_id"),
     Index("ix_vectors_ns", "tenant", "ns_path"),
+)
+
+# The embedding cache (projections/embed_cache.py): a slow embedder's vector of a text,
+# keyed by the embedder's name and the SHA-256 of the text, so a rebuild or a second
+# tenant with the same text does not embed it again. Not a view: a rebuild of `vectors`
+# keeps it (that is its point). `embedding_refs` says which index items used which
+# digest, so a forget erases the cached vectors of what it covers (R20) even after the
+# text itself has left the views.
+embedding_cache = Table(
+    "embedding_cache",
+    metadata,
+    Column("model", String(64), nullable=False),
+    Column("digest", LargeBinary(32), nullable=False),
+    Column("dim", Integer, nullable=False),
+    Column("vector", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("model", "digest"),
+)
+embedding_refs = Table(
+    "embedding_refs",
+    metadata,
+    Column("tenant", String(128), nullable=False),
+    Column("item_id", String(300), nullable=False),
+    Column("digest", LargeBinary(32), nullable=False),
+    PrimaryKeyConstraint("tenant", "item_id", "digest"),
+    Index("ix_embedding_refs_digest", "digest"),
 )
 
 # The lexical index (projections/lexical.py): one row per active memory with its *set*

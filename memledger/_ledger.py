@@ -27,6 +27,7 @@ from memledger.results import Memory, MemoryVersion, Recall, TaskSummary
 from projections import asof, reads
 from projections.recall import recall as run_recall
 from projections.runner import Runner
+from projections.vectors import store_embedder
 from workers.publish import Publisher, PublishResult
 
 EventLike = Event | Mapping[str, Any]
@@ -74,6 +75,9 @@ class MemoryLedger:
         if self._migrate:
             await migrations.upgrade(self.store.url)
         await self.store.open()
+        # The ledger's recorded embedder (`memledger config set embedder`), loaded now:
+        # a model that is not installed here fails at open, naming the extra to install.
+        await store_embedder(self.store)
         return self
 
     async def close(self) -> None:

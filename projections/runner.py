@@ -121,6 +121,11 @@ class Runner:
                    size: int | None = None) -> int:
         """Apply one batch of at most `size` positions (default: `batch_size`) to one
         projection; returns how many positions it moved."""
+        prepare = getattr(proj, "prepare", None)
+        if prepare is not None:
+            # Slow work a projection can do before its write transaction (a model
+            # embedding the batch's texts: `VectorProjection.prepare`), holding no lock.
+            await prepare(self.store, size or self.batch_size, self.owned)
         with no_gc_pauses():
             moved = await self._step(proj, upto, size or self.batch_size)
         if self._reclaim:

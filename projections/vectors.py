@@ -13,14 +13,20 @@ projection runs ahead of or behind the views it reads; when it runs ahead, the r
 it could not settle is remembered (`meta` row `vectors.pending_after`) and re-read with
 the next batch, so the index converges once the other views catch up.
 
-The embedder comes from `MEMLEDGER_EMBEDDER` (default: the offline hashed n-gram
-embedder). Changing it re-embeds everything through `memledger replay rebuild
---projection vectors`; until then recall ignores entries of another model.
+The embedder is the ledger's recorded one (`meta` row `config.embedder`, set by
+`memledger config set embedder NAME`), else `MEMLEDGER_EMBEDDER`, else the offline
+hashed n-gram embedder. Changing it re-embeds everything through a rebuild of this
+projection (`config set` runs it); until then recall ignores entries of another model.
+
+A model embedder (`embedding.is_cached`) is slow, so its vectors are computed before
+the batch's write transaction (`VectorProjection.prepare`, called by the runner) and
+kept by content digest (`projections.embed_cache`); the transaction only reads them.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -37,8 +43,8 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import shards
-from projections.embedding import Embedder, get_embedder
+from projections import embed_cache, shards
+from projections.embedding import Embedder, get_embedder, is_cached
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
@@ -75,8 +81,51 @@ def _embedder(name: str) -> Embedder:
 
 
 def current_embedder() -> Embedder:
-    """The embedder this process indexes and queries with (`MEMLEDGER_EMBEDDER`)."""
+    """The process's default embedder (`MEMLEDGER_EMBEDDER`), for a ledger that has
+    none recorded (`store_embedder` gives a store's)."""
     return _embedder(os.environ.get(EMBEDDER_ENV, "").strip())
+
+
+#: `meta` row: the ledger's embedder, by name (`memledger config set embedder NAME`).
+EMBEDDER_META: Final = "config.embedder"
+#: How long a process trusts the recorded name it read (recall reads it at most this
+#: often per store; the index reads it in every batch's transaction).
+RECORDED_TTL_S: Final = 2.0
+_RECORDED: dict[str, tuple[float, str | None]] = {}
+
+
+def embedder_named(name: str | None) -> Embedder:
+    """The embedder of a recorded name (None: the process's default)."""
+    return _embedder(name.strip()) if name else current_embedder()
+
+
+async def recorded_embedder(conn: AsyncConnection) -> str | None:
+    """The ledger's recorded embedder name, or None when none was recorded."""
+    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == EMBEDDER_META))
+           ).first()
+    return None if row is None else str(row[0])
+
+
+async def record_embedder(conn: AsyncConnection, name: str | None) -> None:
+    """Record (None: forget) the ledger's embedder name, in `conn`'s transaction."""
+    await conn.execute(delete(t.meta).where(t.meta.c.name == EMBEDDER_META))
+    if name:
+        await conn.execute(t.meta.insert().values(name=EMBEDDER_META, value=name))
+    _RECORDED.clear()
+
+
+async def store_embedder(store: Store) -> Embedder:
+    """The embedder a store's recalls query with: its recorded one, else the process's
+    default. The recorded name is re-read at most every `RECORDED_TTL_S` seconds; a
+    change is followed by a rebuild of the index, and until then recall compares the
+    query only with entries of its own model, so a stale read never mixes models."""
+    now = time.monotonic()
+    hit = _RECORDED.get(store.url)
+    if hit is None or now - hit[0] > RECORDED_TTL_S:
+        async with store.read_once() as conn:
+            hit = (now, await recorded_embedder(conn))
+        _RECORDED[store.url] = hit
+    return embedder_named(hit[1])
 
 
 def to_blob(vec: NDArray[np.float32]) -> bytes:
@@ -222,6 +271,22 @@ async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
     return out
 
 
+_MEMORY_COLUMNS: Final = ("tenant", "memory_id", "ns_path", "mkey", "layer", "task_key",
+                           "session_id", "value", "text")
+
+
+def _memory_rows_query() -> Any:
+    mv = t.mem_versions.c
+    return select(*(getattr(mv, c) for c in _MEMORY_COLUMNS))
+
+
+def _task_rows_query() -> Any:
+    tv = t.tasks_view.c
+    return select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
+        tv.status == "open", tv.purged.is_(False), tv.ns_path.is_not(None),
+        task_not_forgotten())
+
+
 class VectorProjection:
     """Keeps `vectors` equal to {active memories} + {open tasks}, embedded."""
 
@@ -232,11 +297,77 @@ class VectorProjection:
 
     def __init__(self, embedder: Embedder | None = None) -> None:
         self._fixed = embedder
+        #: Vectors `prepare` computed for the next batch, outside its transaction.
+        self._ready: embed_cache.Ready = {}
 
     @property
     def embedder(self) -> Embedder:
         """The embedder of this projection (fixed at construction, else the env's)."""
         return self._fixed or current_embedder()
+
+    async def embedder_in(self, conn: AsyncConnection) -> Embedder:
+        """The embedder of this projection for a ledger: fixed at construction, else the
+        ledger's recorded one (read in `conn`), else the process's default."""
+        return self._fixed or embedder_named(await recorded_embedder(conn))
+
+    async def prepare(self, store: Store, size: int, owned: frozenset[int] | None = None
+                      ) -> int:
+        """Embed, before the write transaction, the texts the next batch (or bulk-load
+        step) of at most `size` positions will index and the cache lacks; the batch then
+        takes them from memory (`embed_cache.embed_items`). Only for a cached (model)
+        embedder; anything this misses (another runner moved first, an index behind
+        its views) is embedded inside the transaction as before. Returns how many texts
+        it embedded."""
+        self._ready.clear()
+        async with store.read() as conn:
+            emb = await self.embedder_in(conn)
+            if not is_cached(emb):
+                return 0
+            texts = await self._next_texts(store, conn, size, owned)
+            if not texts:
+                return 0
+            have = await embed_cache.cached(conn, emb, map(embed_cache.digest, texts))
+        todo = [x for x in dict.fromkeys(texts) if embed_cache.digest(x) not in have]
+        # The embedding itself runs with no connection held (a model takes seconds).
+        if todo:
+            matrix = emb.embed(todo)
+            for x, v in zip(todo, matrix, strict=True):
+                self._ready[(emb.name, embed_cache.digest(x))] = v
+        return len(todo)
+
+    async def _next_texts(self, store: Store, conn: AsyncConnection, size: int,
+                          owned: frozenset[int] | None) -> list[str]:
+        """The texts the next step will embed, read without a lock (a guess: the step
+        re-reads everything in its transaction)."""
+        cp = t.checkpoints.c
+        row = (await conn.execute(select(cp.position).where(cp.name == self.name))).first()
+        position = 0 if row is None else int(row[0])
+        mv, tv = t.mem_versions.c, t.tasks_view.c
+        if position == 0:
+            state = await conn.execute(select(t.meta.c.value).where(
+                t.meta.c.name == self.name + ".bulk"))
+            found = state.first()
+            if found is not None:
+                bulk = orjson.loads(found[0])
+                after = bulk.get("after")
+                if bulk.get("phase", "memories") == "memories":
+                    rows = await page_after(conn, _memory_rows_query().where(
+                        mv.status == "active", not_forgotten()),
+                        (mv.tenant, mv.memory_id), after, size)
+                    return [memory_text(r.mkey, r.value, r.text) for r in rows]
+                rows = await page_after(conn, _task_rows_query(), (tv.tenant, tv.task_key),
+                                        after, size)
+                return [task_text(r.task_key, orjson.loads(r.summary)) for r in rows]
+        events = await store.read_events(conn, position, size, position + size)
+        if owned is not None:
+            count = await shards.shard_count(conn)
+            events = [se for se in events if shards.shard_of(se.tenant, count) in owned]
+        touch = touched(events)
+        tombs = await touch.tombstones(store, conn, position + size)
+        _every, wanted = await _memory_rows(conn, touch.mem_ids, touch.slots, tombs)
+        tasks = await _task_rows(conn, touch.tasks, tombs)
+        return ([memory_text(r.mkey, r.value, r.text) for r in wanted]
+                + [task_text(r.task_key, orjson.loads(r.summary)) for r in tasks])
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
                         size: int) -> tuple[dict[str, Any] | None, int]:
@@ -251,22 +382,22 @@ class VectorProjection:
             state.update(head=min(int(state["head"]), await _source_views_position(conn)),
                          phase="memories", after=None)
         mv, tv = t.mem_versions.c, t.tasks_view.c
-        emb = self.embedder
+        emb = await self.embedder_in(conn)
         if state["phase"] == "memories":
-            rows = await page_after(conn, select(
-                mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
-                mv.session_id, mv.value, mv.text).where(mv.status == "active", not_forgotten()),
+            rows = await page_after(conn, _memory_rows_query().where(
+                mv.status == "active", not_forgotten()),
                 (mv.tenant, mv.memory_id), state["after"], size)
-            await insert_rows(store, conn, t.vectors, memory_entries(emb, rows))
+            await insert_rows(store, conn, t.vectors,
+                              await self._memory_entries(store, conn, emb, rows))
             if len(rows) == size:
                 state["after"] = [rows[-1].tenant, rows[-1].memory_id]
             else:
                 state.update(phase="tasks", after=None)
             return progressed(state, len(rows))
-        rows = await page_after(conn, select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
-            tv.status == "open", tv.purged.is_(False), tv.ns_path.is_not(None),
-            task_not_forgotten()), (tv.tenant, tv.task_key), state["after"], size)
-        await insert_rows(store, conn, t.vectors, task_entries(emb, rows))
+        rows = await page_after(conn, _task_rows_query(), (tv.tenant, tv.task_key),
+                                state["after"], size)
+        await insert_rows(store, conn, t.vectors,
+                          await self._task_entries(store, conn, emb, rows))
         if len(rows) < size:
             return finished(state)
         state["after"] = [rows[-1].tenant, rows[-1].task_key]
@@ -281,79 +412,152 @@ class VectorProjection:
                     events: Sequence[StoredEvent], upto: int) -> None:
         touch = touched(events)
         tombs = await touch.tombstones(store, conn, upto)
-        await self._sync_memories(store, conn, touch.mem_ids, touch.slots, tombs)
-        await self._sync_tasks(store, conn, touch.tasks, tombs)
+        emb = await self.embedder_in(conn)
+        await self._sync_memories(store, conn, emb, touch.mem_ids, touch.slots, tombs)
+        await self._sync_tasks(store, conn, emb, touch.tasks, tombs)
 
-    async def _sync_memories(self, store: Store, conn: AsyncConnection,
+    async def _sync_memories(self, store: Store, conn: AsyncConnection, emb: Embedder,
                              mem_ids: set[tuple[str, str]], slots: set[str],
                              tombs: Sequence[Tombstone]) -> None:
-        mv, vc = t.mem_versions.c, t.vectors.c
+        vc = t.vectors.c
         for ts in tombs:
+            # The cached vectors of every version the forget reaches (their texts have
+            # left the views already; `embedding_refs` still names their digests).
+            covered = await memory_ids_of_slots(conn, await covered_slots(conn, ts))
+            covered.update((ts.tenant, r[0]) for r in (await conn.execute(
+                select(vc.item_id).where(vc.tenant == ts.tenant, vc.kind == "memory",
+                                         _covered_entries(ts)))).all())
+            await embed_cache.erase_items(conn, covered)
             # Drop every entry the forget covers, stale ones included; what the slot
             # still holds (a write said again after the forget) is re-added below.
             await conn.execute(delete(t.vectors).where(vc.tenant == ts.tenant,
                                                        _covered_entries(ts)))
-        slots = await slots_of(conn, mem_ids, slots, tombs)
-        if not slots:
+        every, wanted = await _memory_rows(conn, mem_ids, slots, tombs)
+        if not every:
             return
-        every: list[tuple[str, str]] = []
-        wanted: list[Any] = []
-        for chunk in chunks(sorted(slots)):
-            q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
-            every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
-            q2 = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.layer, mv.task_key,
-                        mv.session_id, mv.value, mv.text).where(
-                mv.slot.in_(chunk), mv.status == "active", not_forgotten())
-            wanted.extend((await conn.execute(q2)).all())
-        # Also whatever the index holds for the touched ids (stale rows from any source).
-        every.extend(mem_ids)
         for tenant, chunk in _by_tenant(every):
             await conn.execute(delete(t.vectors).where(
                 vc.tenant == tenant, vc.item_id.in_(chunk), vc.kind == "memory"))
         if not wanted:
             return
-        await insert_rows(store, conn, t.vectors, memory_entries(self.embedder, wanted))
+        await insert_rows(store, conn, t.vectors,
+                          await self._memory_entries(store, conn, emb, wanted))
 
-    async def _sync_tasks(self, store: Store, conn: AsyncConnection, tasks: set[tuple[str, str]],
-                          tombs: Sequence[Tombstone]) -> None:
-        tv, vc = t.tasks_view.c, t.vectors.c
-        for ts in tombs:
-            # The tasks a forget reaches as a whole (a purge's own task is touched anyway).
-            q = select(tv.tenant, tv.task_key).where(covers_sql(ts, tv, order_key=None))
-            tasks.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+    async def _sync_tasks(self, store: Store, conn: AsyncConnection, emb: Embedder,
+                          tasks: set[tuple[str, str]], tombs: Sequence[Tombstone]) -> None:
+        vc = t.vectors.c
+        tasks = set(tasks)
+        tasks.update(await _covered_tasks(conn, tombs))
         if not tasks:
             return
-        wanted: list[Any] = []
+        if tombs:
+            # A purge or forget of a task erases the cached vectors of all its summaries.
+            gone = await _covered_tasks(conn, tombs) | {
+                (tenant, key) for tenant, key in tasks
+                if await _task_purged_or_gone(conn, tenant, key)}
+            await embed_cache.erase_items(conn, {(a, TASK_PREFIX + k) for a, k in gone})
         for tenant, chunk in _by_tenant(tasks):
             await conn.execute(delete(t.vectors).where(
                 vc.tenant == tenant, vc.item_id.in_([TASK_PREFIX + k for k in chunk]),
                 vc.kind == "task"))
-            q = select(tv.tenant, tv.task_key, tv.ns_path, tv.summary).where(
-                tv.tenant == tenant, tv.task_key.in_(chunk), tv.status == "open",
-                tv.purged.is_(False), tv.ns_path.is_not(None), task_not_forgotten())
-            wanted.extend((await conn.execute(q)).all())
+        wanted = await _task_rows(conn, tasks, ())
         if not wanted:
             return
-        await insert_rows(store, conn, t.vectors, task_entries(self.embedder, wanted))
+        await insert_rows(store, conn, t.vectors,
+                          await self._task_entries(store, conn, emb, wanted))
+
+    async def _memory_entries(self, store: Store, conn: AsyncConnection, emb: Embedder,
+                              rows: Sequence[Any]) -> list[dict[str, Any]]:
+        if not is_cached(emb):
+            return memory_entries(emb, rows)
+        matrix = await embed_cache.embed_items(
+            store, conn, emb, [(r.tenant, r.memory_id) for r in rows],
+            [memory_text(r.mkey, r.value, r.text) for r in rows], self._ready)
+        return memory_entries(emb, rows, matrix)
+
+    async def _task_entries(self, store: Store, conn: AsyncConnection, emb: Embedder,
+                            rows: Sequence[Any]) -> list[dict[str, Any]]:
+        if not is_cached(emb):
+            return task_entries(emb, rows)
+        matrix = await embed_cache.embed_items(
+            store, conn, emb, [(r.tenant, TASK_PREFIX + r.task_key) for r in rows],
+            [task_text(r.task_key, orjson.loads(r.summary)) for r in rows], self._ready)
+        return task_entries(emb, rows, matrix)
 
 
-def memory_entries(emb: Embedder, rows: Sequence[Any]) -> list[dict[str, Any]]:
+async def _memory_rows(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: set[str],
+                       tombs: Sequence[Tombstone]) -> tuple[list[tuple[str, str]], list[Any]]:
+    """Every (tenant, memory id) whose entry a batch may change, and the active rows of
+    those the index must hold (read only: `prepare` reads them outside the transaction)."""
+    mv = t.mem_versions.c
+    slots = await slots_of(conn, mem_ids, slots, tombs)
+    if not slots:
+        return [], []
+    every: list[tuple[str, str]] = []
+    wanted: list[Any] = []
+    for chunk in chunks(sorted(slots)):
+        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+        every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
+        q2 = _memory_rows_query().where(mv.slot.in_(chunk), mv.status == "active",
+                                        not_forgotten())
+        wanted.extend((await conn.execute(q2)).all())
+    # Also whatever the index holds for the touched ids (stale rows from any source).
+    every.extend(mem_ids)
+    return every, wanted
+
+
+async def _covered_tasks(conn: AsyncConnection, tombs: Sequence[Tombstone]
+                         ) -> set[tuple[str, str]]:
+    """The tasks the forgets reach as a whole (a purge's own task is touched anyway)."""
+    tv = t.tasks_view.c
+    out: set[tuple[str, str]] = set()
+    for ts in tombs:
+        q = select(tv.tenant, tv.task_key).where(covers_sql(ts, tv, order_key=None))
+        out.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+    return out
+
+
+async def _task_purged_or_gone(conn: AsyncConnection, tenant: str, key: str) -> bool:
+    """A task whose summary is gone from the view or purged (its cached vectors go)."""
+    tv = t.tasks_view.c
+    row = (await conn.execute(select(tv.purged).where(tv.tenant == tenant,
+                                                      tv.task_key == key))).first()
+    return row is None or bool(row[0])
+
+
+async def _task_rows(conn: AsyncConnection, tasks: set[tuple[str, str]],
+                     tombs: Sequence[Tombstone]) -> list[Any]:
+    """The open, unpurged, unforgotten rows of these tasks (and of those `tombs` reach)."""
+    tv = t.tasks_view.c
+    tasks = set(tasks) | await _covered_tasks(conn, tombs)
+    wanted: list[Any] = []
+    for tenant, chunk in _by_tenant(tasks):
+        q = _task_rows_query().where(tv.tenant == tenant, tv.task_key.in_(chunk))
+        wanted.extend((await conn.execute(q)).all())
+    return wanted
+
+
+def memory_entries(emb: Embedder, rows: Sequence[Any],
+                   matrix: NDArray[np.float32] | None = None) -> list[dict[str, Any]]:
     """The index entries of active `mem_versions` rows (tenant, memory_id, ns_path, mkey,
-    layer, task_key, session_id, value, text), embedded in one batch."""
+    layer, task_key, session_id, value, text), embedded in one batch (or given)."""
     if not rows:
         return []
-    matrix = emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
+    if matrix is None:
+        matrix = emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
     return [{"tenant": r.tenant, "item_id": r.memory_id, "kind": "memory",
              "ns_path": r.ns_path, "layer": r.layer, "task_key": r.task_key,
              "session_id": r.session_id, "model": emb.name, "dim": emb.dim,
              "vector": to_blob(matrix[i])} for i, r in enumerate(rows)]
 
 
-def task_entries(emb: Embedder, rows: Sequence[Any]) -> list[dict[str, Any]]:
+def task_entries(emb: Embedder, rows: Sequence[Any],
+                 matrix: NDArray[np.float32] | None = None) -> list[dict[str, Any]]:
     """The index entries of open `tasks_view` rows (tenant, task_key, ns_path, summary)."""
     if not rows:
         return []
-    matrix = emb.embed([task_text(r.task_key, orjson.loads(r.summary)) for r in rows])
+    if matrix is None:
+        matrix = emb.embed([task_text(r.task_key, orjson.loads(r.summary)) for r in rows])
     return [{"tenant": r.tenant, "item_id": TASK_PREFIX + r.task_key, "kind": "task",
              "ns_path": r.ns_path, "layer": "task", "task_key": r.task_key,
              "session_id": None, "model": emb.name, "dim": emb.dim,

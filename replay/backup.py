@@ -438,10 +438,15 @@ async def _is_empty(conn: AsyncConnection) -> bool:
 async def _clear(store: Store, conn: AsyncConnection) -> None:
     for tb in (*t.VIEW_TABLES, *reversed(BACKUP_TABLES), t.checkpoints, t.shard_checkpoints):
         await store.recorder.delete_rows(conn, tb)
+    # The embedding cache goes with the views it fed: it may hold vectors of content
+    # the restored ledger's forgets cover.
+    for tb in (t.embedding_refs, t.embedding_cache):
+        await store.recorder.delete_rows(conn, tb)
     # Bookkeeping of the views just cleared (e.g. `vectors.pending_after`, rebuild
-    # markers); the schema version and this database's shard count stay.
-    await store.recorder.delete_rows(conn, t.meta,
-                                     t.meta.c.name.not_in(["schema_version", "shards"]))
+    # markers); the schema version, this database's shard count and its recorded
+    # embedder (`config.embedder`) stay.
+    await store.recorder.delete_rows(conn, t.meta, t.meta.c.name.not_in(
+        ["schema_version", "shards", "config.embedder"]))
 
 
 def _backup_forgets(reader: BackupReader

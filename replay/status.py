@@ -18,6 +18,7 @@ from ledger.backends.postgres import SHARD_LEASE_LOCK
 from ledger.store import Store
 from projections import quarantine, shards
 from projections.runner import BULK_SUFFIX, REBUILD_MARKER, Runner
+from replay.config import embedder_report
 
 
 async def shard_table(store: Store, names: list[str]
@@ -67,6 +68,9 @@ async def status_report(store: Store) -> dict[str, Any]:
     return {
         "head": head,
         "projections": projections,
+        # The ledger's embedder (`memledger config set embedder NAME`) and the models
+        # its vector index holds.
+        "embedder": await embedder_report(store, load=False),
         "backend": store.dialect,
         # S, and the lease holder of each shard (None: no worker holds it; SQLite
         # workers and `memledger project` step every shard without leases).

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
@@ -100,6 +101,56 @@ async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str)
     assert b"QUOKKA" not in sqlite_files(sqlite_url)
     assert b"quokka" not in sqlite_files(sqlite_url)  # lexical terms are casefolded
     assert b"QUOKKA" not in Path(register_path).read_bytes()  # noqa: ASYNC240
+
+
+async def test_cached_model_vectors_gone_from_sqlite_files(
+        sqlite_url: str, register_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a model embedder, the forgotten texts' cached vectors and their digests
+    (`embedding_cache`, `embedding_refs`: every version, the task summaries too) are
+    absent from the SQLite files on disk, while another user's stay (R20)."""
+    from projections.embed_cache import digest
+    from projections.embedding import CallableEmbedder, HashedNgramEmbedder
+    from projections.vectors import EMBEDDER_ENV, register_embedder, to_blob
+
+    hashed = HashedNgramEmbedder(40)
+    register_embedder("forget-model-v1",
+                      lambda: CallableEmbedder("forget-model-v1", hashed.embed, 40))
+    monkeypatch.setenv(EMBEDDER_ENV, "forget-model-v1")
+    store = Store(sqlite_url, register_path=register_path)
+    texts = ["lang: QUOKKA-one-7731", "lang: QUOKKA-two-7731"]
+    try:
+        await store.append_one(parse_event(write("lang", "QUOKKA-one-7731", memory_id="Q1",
+                                                 source=src(at=at(1)))))
+        await store.append_one(parse_event(write("keep", "WOMBAT-other-user", user="u8",
+                                                 source=src(at=at(1)))))
+        await store.append_one(parse_event(event("task.opened", {
+            "task_key": "T900", "namespace": ["shop-a", "u7", "tickets"],
+            "title": "QUOKKA-title-9931"}, source=src(at=at(1)))))
+        await Runner(store).catch_up()
+        await store.append_one(parse_event(write(
+            "lang", "QUOKKA-two-7731", memory_id="Q2", supersedes="Q1",
+            etype="memory.corrected", source=src(at=at(2)))))
+        await Runner(store).catch_up()
+        async with store.read() as conn:
+            cached = {bytes(r.digest): bytes(r.vector)
+                      for r in (await conn.execute(select(t.embedding_cache))).all()}
+        assert {digest(x) for x in texts} <= set(cached)
+        assert digest("keep: WOMBAT-other-user") in cached
+        task_digests = set(cached) - {digest(x) for x in texts} - {
+            digest("keep: WOMBAT-other-user")}
+        assert task_digests  # the task summary's
+        await store.append_one(parse_event(forget(3, namespace_prefix=["shop-a", "u7"])))
+        await Runner(store).catch_up()
+    finally:
+        await store.close()
+    on_disk = sqlite_files(sqlite_url)
+    for x in texts:
+        assert digest(x) not in on_disk
+        assert to_blob(hashed.embed([x])[0]) not in on_disk
+    for d in task_digests:
+        assert d not in on_disk
+        assert cached[d] not in on_disk
+    assert digest("keep: WOMBAT-other-user") in on_disk  # another user's cache stays
 
 
 async def test_replays_and_late_extractions_do_not_resurrect(store: Store) -> None:

@@ -1,5 +1,6 @@
 """The operator commands: status, project, sweep, replay rebuild|retry-quarantined|audit|verify,
-db upgrade|current|check|downgrade, shards show|set, backup, restore, vault status|encrypt.
+db upgrade|current|check|downgrade, shards show|set, config show|get|set, backup, restore,
+vault status|encrypt.
 
 Whoever runs them holds the database credentials, so they take no `--as` (some take
 `--tenant` to narrow). Each opens the store, calls one function of `projections` or
@@ -270,6 +271,58 @@ async def cmd_shards_set(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_config(args: argparse.Namespace) -> int:
+    """The ledger's recorded settings: show them all, get one, or set one."""
+    from replay import config
+
+    store = open_store(args)
+    try:
+        if args.action == "show":
+            out(await config.show(store))
+            return 0
+        if args.setting not in config.SETTINGS:
+            say(f"error: unknown setting {args.setting!r}: use one of "
+                f"{', '.join(config.SETTINGS)}")
+            return 2
+        if args.action == "get":
+            out(await config.embedder_report(store))
+            return 0
+        try:
+            res = await config.set_embedder(store, args.value,
+                                            rebuild_index=not args.no_rebuild,
+                                            progress=progress_of(args))
+        except ValidationError as e:
+            if e.field != "embedder":
+                raise
+            say(f"error: {error_message(e, args)}")
+            return 1
+        out(res)
+        if res.get("next"):
+            say(f"embedder recorded; re-embed the index with: {res['next']}")
+    finally:
+        await store.close()
+    return 0
+
+
+def _add_config(aud: Audience) -> None:
+    cf = aud.command("config", "the ledger's recorded settings (the embedder): show, get, "
+                               "set (docs/recall.md#embedders)")
+    actions = cf.add_subparsers(dest="action", required=True, metavar="ACTION")
+    handles(actions.add_parser("show", help="every setting, where it comes from, and what "
+                                            "the vector index holds"), cmd_config)
+    gt = handles(actions.add_parser("get", help="one setting"), cmd_config)
+    gt.add_argument("setting", help="embedder")
+    st = handles(actions.add_parser(
+        "set", help="record a setting; `set embedder NAME` (hashgram, minilm, e5-small) "
+                    "then rebuilds the vector index with it"), cmd_config)
+    st.add_argument("setting", help="embedder")
+    st.add_argument("value", help="the embedder's name")
+    st.add_argument("--no-rebuild", action="store_true",
+                    help="record only; print the rebuild command to run later (recall "
+                         "skips vectors of the old model meanwhile)")
+    st.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
 def _add_shards(aud: Audience) -> None:
     sh = aud.command("shards", "projection shards: show them, or set their number (with a "
                                "rebuild)")
@@ -395,6 +448,7 @@ def add_commands(aud: Audience) -> None:
                 cmd_sweep)
     _add_replay(aud)
     _add_shards(aud)
+    _add_config(aud)
     _add_db(aud)
 
     bk = aud.command("backup", "one consistent, portable, checksummed backup file, taken "

@@ -32,7 +32,8 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
     covered_ids: set[tuple[str, str]] = set()
     purged_tasks: set[tuple[str, str]] = set()
     checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0,
-               "lexical_docs": 0}
+               "lexical_docs": 0, "embedding_refs": 0}
+    er = t.embedding_refs.c
     for ts in tombs:
         q = select(t.mem_versions).where(covers_sql(ts, mv))
         for r in (await conn.execute(q)).all():
@@ -81,11 +82,21 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
         if (await conn.execute(select(func.count()).where(
                 ld.tenant == tenant, ld.item_id == memory_id))).scalar():
             rep.add("forgotten", place="lexical_docs", tenant=tenant, memory_id=memory_id)
+        # The embedding cache: a covered item still naming a digest means its cached
+        # vector was not erased (`projections.embed_cache.erase_items` drops both).
+        checked["embedding_refs"] += 1
+        if (await conn.execute(select(func.count()).where(
+                er.tenant == tenant, er.item_id == memory_id))).scalar():
+            rep.add("forgotten", place="embedding_cache", tenant=tenant, memory_id=memory_id)
     for tenant, task_key in sorted(purged_tasks):
         hit = (await conn.execute(select(func.count()).where(
             vc.tenant == tenant, vc.kind == "task", vc.task_key == task_key))).scalar()
         if hit:
             rep.add("forgotten", place="vectors", tenant=tenant, task_key=task_key)
+        checked["embedding_refs"] += 1
+        if (await conn.execute(select(func.count()).where(
+                er.tenant == tenant, er.item_id == "task:" + task_key))).scalar():
+            rep.add("forgotten", place="embedding_cache", tenant=tenant, task_key=task_key)
     return checked
 
 

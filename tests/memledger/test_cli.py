@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The commands of the contract's command line, each listed once.
 COMMANDS = {"append", "publish", "project", "worker", "status", "get", "recall", "tasks",
             "replay", "backup", "restore", "sweep", "dead-letters", "serve", "keys", "shards",
-            "vault", "history", "db"}
+            "vault", "history", "db", "config"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None, module: bool = False,
@@ -67,12 +67,37 @@ def test_help_lists_the_commands_by_audience() -> None:
     groups = _groups(proc.stdout.decode())
     assert list(groups) == [app.TITLE, operator.TITLE, workers.TITLE, server.TITLE]
     assert groups[app.TITLE] == ["append", "publish", "get", "recall", "history", "tasks"]
-    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "shards", "db",
-                                      "backup", "restore", "vault"]
+    assert groups[operator.TITLE] == ["status", "project", "sweep", "replay", "shards",
+                                      "config", "db", "backup", "restore", "vault"]
     assert groups[workers.TITLE] == ["worker", "dead-letters"]
     assert groups[server.TITLE] == ["serve", "keys"]
     listed = [c for names in groups.values() for c in names]
     assert sorted(listed) == sorted(COMMANDS)
+
+
+def test_config_embedder_set_get_show_and_status(tmp_path: Path) -> None:
+    """`memledger config set embedder NAME` records the ledger's embedder and rebuilds the
+    vector index with it; `config get`, `config show` and `status` show it; an unknown
+    name exits 1 and records nothing; `--no-rebuild` names the command to run."""
+    cli = Cli(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}", str(tmp_path / "c.forgets"),
+              env={"MEMLEDGER_EMBEDDER": ""})
+    cli.append([write("reply_language", "Simplified Chinese", memory_id="A")])
+    cli.run("project")
+    got = cli.json("config", "get", "embedder")
+    assert (got["name"], got["source"], got["recorded"]) == ("hashgram", "default", None)
+    bad = cli.run("config", "set", "embedder", "no-such-model", check=1)
+    assert b"unknown embedder" in bad.stderr
+    res = cli.json("config", "set", "embedder", "hashgram-v1-256", "--quiet")
+    assert (res["changed"], res["model"], res["dim"]) == (True, "hashgram-v1-256", 256)
+    assert res["rebuild"] is not None
+    shown = cli.json("config", "show")["embedder"]
+    assert (shown["recorded"], shown["source"], shown["index_models"]) == (
+        "hashgram-v1-256", "recorded", {"hashgram-v1-256": 1})
+    assert cli.json("status")["embedder"]["name"] == "hashgram-v1-256"
+    later = cli.run("config", "set", "embedder", "hashgram", "--no-rebuild")
+    assert b"memledger replay rebuild --projection vectors" in later.stderr
+    assert cli.json("config", "get", "embedder")["index_current"] is False
+    assert cli.run("config", "get", "colour", check=2).returncode == 2
 
 
 def test_python_dash_m_memledger_is_the_same_cli(tmp_path: Path) -> None:
