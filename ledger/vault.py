@@ -985,3 +985,23 @@ class SealedPayload(TypeDecorator[bytes]):
         vault = _vault_of(dialect)
         blob = bytes(value)
         return None if vault is None else vault.open(blob)
+
+
+def sealed_columns(stmt: Any) -> tuple[tuple[int, Any], ...]:
+    """The selected columns of `stmt` whose type opens sealed content, by index."""
+    return tuple((i, c.type) for i, c in enumerate(stmt.selected_columns)
+                 if isinstance(c.type, SealedView | SealedText | SealedPayload))
+
+
+def open_columns(rows: Sequence[Sequence[Any]], sealed: Sequence[tuple[int, Any]],
+                 dialect: Dialect) -> list[tuple[Any, ...]]:
+    """Driver rows with their sealed columns opened as their types would on the way
+    out: for a reader that takes the driver's rows and so skips the types."""
+    out = []
+    for r in rows:
+        row = list(r)
+        for i, typ in sealed:
+            if row[i] is not None:
+                row[i] = typ.process_result_value(row[i], dialect)
+        out.append(tuple(row))
+    return out
