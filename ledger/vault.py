@@ -43,6 +43,7 @@ import binascii
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import os
 import struct
 import threading
@@ -65,6 +66,8 @@ MAGIC: Final = b"\x00mlv1"
 KEY_ID_BYTES: Final = 16
 NONCE_BYTES: Final = 12
 HEADER: Final = len(MAGIC) + KEY_ID_BYTES
+#: How many ciphers a vault keeps built (`Vault._cache`).
+CIPHER_CACHE: Final = 1 << 16
 #: Event types whose payload is content a forget erases (sealed); the others (forgets,
 #: purges, marks) keep their payload in clear, as erasure keeps it.
 SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
@@ -247,6 +250,10 @@ class KeyStore(ABC):
     @abstractmethod
     def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
         """Unwrapped data keys present in the store (all, or those of `ids`)."""
+
+    def get(self, kid: str) -> bytes | None:
+        """The unwrapped data key `kid`, or None if it is absent or destroyed."""
+        return self.load([kid]).get(kid)
 
     @abstractmethod
     def fenced(self, ids: Iterable[str]) -> set[str]:
@@ -497,6 +504,14 @@ class FileKeyStore(KeyStore):
                 self._refresh()
             return {k: self._unwrapped(k) for k in wanted
                     if k in self._keys and k not in self._fences}
+
+    def get(self, kid: str) -> bytes | None:
+        with self._lock:
+            if kid not in self._keys:
+                self._refresh()
+            if kid in self._keys and kid not in self._fences:
+                return self._unwrapped(kid)
+            return None
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         with self._lock:
@@ -782,9 +797,27 @@ class Vault:
 
     def __init__(self, keys: KeyStore) -> None:
         self.keys = keys
-        # Ciphers by key id: building one costs as much as a decryption (~10 us), and
-        # a view row is opened on every `get`. Dropped when the key is destroyed.
-        self._cache: dict[str, AESGCM] = {}
+        # Ciphers (with the sealed-payload head of their id) by key id: building one
+        # costs about two encryptions, and a view row is opened on every `get`. Dropped
+        # when the key is destroyed; bounded, oldest first, so a long-running process
+        # does not keep one per event it ever saw.
+        self._cache: dict[str, tuple[AESGCM, bytes]] = {}
+
+    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+        cache = self._cache
+        if len(cache) >= CIPHER_CACHE:
+            for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
+                del cache[k]
+        entry = cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        return entry
+
+    def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
+        entry = self._cache.get(kid)
+        if entry is None:
+            raw = self.keys.get(kid)
+            if raw is not None:
+                entry = self._put(kid, raw)
+        return entry
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         """Encrypt, in place, the payload of every content row (one durable key
@@ -795,45 +828,58 @@ class Vault:
             return
         ids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
                for r in todo]
-        missing = [k for k in ids if k not in self._cache]
+        cache = self._cache
+        got = {k: cache[k] for k in ids if k in cache}
+        missing = [k for k in ids if k not in got]
         if missing:
-            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
-        for r, kid in zip(todo, ids, strict=True):
-            r["payload"] = seal(kid, self._cache[kid], r["payload"])
+            for k, v in self.keys.provision(missing).items():
+                got[k] = self._put(k, v)
+        nonces = os.urandom(NONCE_BYTES * len(todo))  # one call for the batch
+        for i, (r, kid) in enumerate(zip(todo, ids, strict=True)):
+            aead, head = got[kid]
+            nonce = nonces[i * NONCE_BYTES:(i + 1) * NONCE_BYTES]
+            r["payload"] = head + nonce + aead.encrypt(nonce, r["payload"], head)
 
     def ensure(self, ids: Iterable[str]) -> None:
         """Provision the keys of `ids` that do not exist (one durable write for all);
         a fenced id raises `KeyFenced`."""
         missing = sorted({k for k in ids if k not in self._cache})
         if missing:
-            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
+            for k, v in self.keys.provision(missing).items():
+                self._put(k, v)
 
     def key(self, kid: str) -> AESGCM | None:
         """The cipher of data key `kid`, or None if the key is destroyed or absent."""
-        k = self._cache.get(kid)
-        if k is None:
-            raw = self.keys.load([kid]).get(kid)
-            if raw is not None:
-                k = self._cache[kid] = AESGCM(raw)
-        return k
+        entry = self._entry(kid)
+        return None if entry is None else entry[0]
 
     def open(self, blob: bytes | None) -> bytes | None:
         """The plaintext of a stored payload: plaintext passes through; a sealed one
         whose key is gone reads as None (erased)."""
         if blob is None or not is_sealed(blob):
             return blob
-        k = self.key(sealed_key_id(blob))
-        return None if k is None else unseal(k, blob)
+        entry = self._entry(sealed_key_id(blob))
+        return None if entry is None else unseal(entry[0], blob)
 
     def seal_view(self, kid: str, data: bytes) -> bytes | None:
         """A view copy of subject `kid`'s content, sealed under the subject's key. No
         key: the content came from a payload stored in clear (a ledger not yet
         converted by `memledger vault encrypt`) and stays so; a fenced key: the
         subject is forgotten, and nothing is stored."""
-        k = self.key(kid)
-        if k is not None:
-            return seal(kid, k, data)
+        entry = self._entry(kid)
+        if entry is not None:
+            aead, head = entry
+            nonce = os.urandom(NONCE_BYTES)
+            return head + nonce + aead.encrypt(nonce, data, head)
         return None if self.keys.fenced([kid]) else data
+
+    def seal_text(self, kid: str, text: str) -> str | None:
+        """`seal_view` for a text column: `TEXT_MAGIC` + base64 of the sealed bytes (or
+        the text as it is without a key, or None once the key is fenced)."""
+        sealed = self.seal_view(kid, text.encode())
+        if sealed is None or not is_sealed(sealed):
+            return None if sealed is None else str(text)
+        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
 
     def readable(self, blob: bytes) -> bool:
         """Does the key of a sealed payload exist here?"""
@@ -943,10 +989,7 @@ class SealedText(TypeDecorator[str]):
         vault = _vault_of(dialect)
         if kid is None or vault is None:
             return value  # type: ignore[no-any-return]
-        sealed = vault.seal_view(kid, str(value).encode())
-        if sealed is None or not is_sealed(sealed):
-            return None if sealed is None else str(value)
-        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
+        return vault.seal_text(kid, value)
 
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         if value is None or not value.startswith(TEXT_MAGIC):
@@ -961,11 +1004,28 @@ def seal_columns(table: Any, rows: Sequence[dict[str, Any]], dialect: Dialect
                  ) -> Sequence[dict[str, Any]]:
     """`rows` with their sealed view columns sealed as their types would on the way in:
     for a writer that hands the driver plain tuples and so skips the types."""
-    cols = [(c.name, c.type) for c in table.columns if isinstance(c.type, SealedView | SealedText)]
-    if not cols or _vault_of(dialect) is None:
+    vault = _vault_of(dialect)
+    cols = _SEALED_COLS.get(table.name)
+    if cols is None:
+        cols = _SEALED_COLS[table.name] = [
+            (c.name, isinstance(c.type, SealedText)) for c in table.columns
+            if isinstance(c.type, SealedView | SealedText)]
+    if not cols or vault is None:
         return rows
-    return [{**r, **{name: typ.process_bind_param(r[name], dialect) for name, typ in cols}}
-            for r in rows]
+    out = []
+    for r in rows:
+        r = dict(r)
+        for name, text in cols:
+            v = r[name]
+            kid = getattr(v, "kid", None)
+            if kid is not None:
+                r[name] = vault.seal_text(kid, v) if text else vault.seal_view(kid, v)
+        out.append(r)
+    return out
+
+
+#: The sealed columns of each view table, by table name (`seal_columns`).
+_SEALED_COLS: dict[str, list[tuple[str, bool]]] = {}
 
 
 class SealedPayload(TypeDecorator[bytes]):
