@@ -935,6 +935,19 @@ class SubjectText(str):
         return obj
 
 
+def dead_letter(vault: Vault | None, tenant: str | None, data: bytes) -> bytes:
+    """A dead letter's payload on its way into `dead_letters.payload` (a `SealedView`):
+    with the vault on, the content of a subject of its own, under a fresh key (a
+    rejected event has no place in the ledger, so no envelope names its key; the key
+    id is in the sealed bytes, and erasure destroys it when a forget names what the
+    dead letter names, `projections.erasure.shred_dead_letters`)."""
+    if vault is None:
+        return data
+    kid = key_id(tenant or "", "\x00dead\x00" + os.urandom(KEY_ID_BYTES).hex())
+    vault.ensure([kid])
+    return Subject(data, kid)
+
+
 def subject(data: bytes | None, kid: str) -> bytes | None:
     """`data` as the content of subject `kid` (None stays None; no `kid`: as it is)."""
     return data if data is None or not kid else Subject(data, kid)
