@@ -520,6 +520,7 @@ class FileKeyStore(KeyStore):
 
     def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
         with self._lock:
+            self._refresh()  # a fence another process wrote since counts
             if all(k in self._keys and k not in self._fences for k in want):
                 return {k: self._unwrapped(k) for k in want}
             fd = self._open_fd(create=True)
@@ -691,9 +692,8 @@ class PostgresKeyStore(KeyStore):
         return {r[0] for r in self._run(q())} if wanted else set()
 
     def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
-        if all(k in self._cache for k in want):
-            return {k: self._cache[k] for k in want}
-        new = self._new_keys([k for k in want if k not in self._cache])
+        # No shortcut through the cache: another process may have fenced a cached id.
+        new = self._new_keys(want)
         s = self.schema
 
         async def q() -> list[Any]:

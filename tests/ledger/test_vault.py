@@ -13,6 +13,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import select, type_coerce
 from sqlalchemy.types import LargeBinary
@@ -23,6 +24,7 @@ from ledger.events import derive_memory_id
 from ledger.store import Store
 from ledger.validation import parse_event
 from ledger.vault import (
+    FILE_MAGIC,
     FileKeyStore,
     KeyFenced,
     MasterKeyWrap,
@@ -275,3 +277,50 @@ async def test_sdk_get_on_a_sqlite_file_opens_sealed_views(sqlite_url: str, tmp_
             raw = (await conn.execute(select(type_coerce(t.mem_versions.c.value,
                                                          LargeBinary)))).scalars().all()
         assert raw and all(SECRET.encode() not in bytes(v) for v in raw)
+
+
+def test_a_json_lines_key_store_is_converted_in_place(tmp_path: Path) -> None:
+    """A key store written as JSON Lines by an earlier version opens with the same keys
+    and fences, is rewritten in the binary format, and keeps refusing fenced ids."""
+    path = tmp_path / "k.vault"
+    kept, gone = bytes(range(32)), bytes(range(1, 33))
+    lines = [{"k": "aa" * 16, "w": base64.b64encode(kept).decode()},
+             {"k": "bb" * 16, "w": base64.b64encode(gone).decode()},
+             {"f": "bb" * 16}]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    ks = FileKeyStore(path)
+    assert ks.load() == {"aa" * 16: kept}
+    data = path.read_bytes()
+    assert data.startswith(FILE_MAGIC) and kept in data
+    assert gone not in data and base64.b64encode(gone) not in data
+    with pytest.raises(KeyFenced):
+        FileKeyStore(path).provision(["bb" * 16])
+
+
+def test_a_torn_record_is_cut_off_by_the_next_writer(tmp_path: Path) -> None:
+    """A crash in the middle of an append leaves a torn record (never acknowledged):
+    readers skip it, the next writer cuts it off, and every whole record still reads."""
+    path = tmp_path / "k.vault"
+    key = FileKeyStore(path).provision(["cc" * 16])["cc" * 16]
+    with path.open("ab") as f:
+        f.write(b"K" + bytes(10))  # a torn record
+    assert FileKeyStore(path).load() == {"cc" * 16: key}
+    other = FileKeyStore(path).provision(["dd" * 16])
+    assert FileKeyStore(path).load() == {"cc" * 16: key, **other}
+
+
+def test_two_processes_share_one_key_store(tmp_path: Path) -> None:
+    """Two stores on one file (two processes): a key one provisions, the other reads
+    (and never makes a second key of the same id); a key one destroys, the other
+    refuses to provision again, and no later process finds it."""
+    path = tmp_path / "k.vault"
+    a, b = FileKeyStore(path), FileKeyStore(path)
+    ka = a.provision(["a1" * 16])
+    kb = b.provision(["b1" * 16, "a1" * 16])
+    assert kb["a1" * 16] == ka["a1" * 16]  # the stored key, never a second one
+    assert a.get("b1" * 16) == kb["b1" * 16]
+    b.destroy(["a1" * 16])
+    assert FileKeyStore(path).get("a1" * 16) is None
+    with pytest.raises(KeyFenced):
+        a.provision(["a1" * 16])
+    assert ka["a1" * 16] not in path.read_bytes()
