@@ -45,6 +45,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import sqlite3
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -505,6 +506,11 @@ class FileKeyStore(KeyStore):
             return {k: self._unwrapped(k) for k in wanted
                     if k in self._keys and k not in self._fences}
 
+    def create(self) -> None:
+        """Create the file (empty, with its header) if it does not exist."""
+        with self._lock:
+            self._open_fd(create=True)
+
     def get(self, kid: str) -> bytes | None:
         with self._lock:
             if kid not in self._keys:
@@ -778,6 +784,75 @@ def key_store_for(db_url: str, *, path: str | None = None, url: str | None = Non
         raise VaultError("an in-memory SQLite ledger has no place for its key store; set "
                          f"{ENV_PATH}")
     return PostgresKeyStore(db_url, wrapper)
+
+
+def default_on(db_url: str) -> bool:
+    """Is the vault on for this ledger when nothing says (no `vault=` argument and
+    `MEMLEDGER_VAULT` unset)? On for every new ledger that has a place for its key
+    store apart from the database, and for any ledger whose key store exists:
+
+    - a key store database is named (`MEMLEDGER_VAULT_URL`), or the key store file
+      (`<sqlite path>.vault`, or `MEMLEDGER_VAULT_PATH`) exists: on;
+    - a SQLite file ledger that is new (no file, or no event yet): on;
+    - otherwise off: an existing SQLite ledger written in clear (convert it with
+      `memledger vault encrypt` after `MEMLEDGER_VAULT=on`), an in-memory ledger (no
+      file beside it, nothing at rest), and PostgreSQL without `MEMLEDGER_VAULT_URL`
+      (its default key store, a schema of the ledger's own database, would travel in
+      every `pg_dump` of it).
+    """
+    if os.environ.get(ENV_URL):
+        return True
+    path = default_key_store_path(db_url)
+    if path is None:
+        return False
+    if Path(path).exists():
+        return True
+    db = _sqlite_file(db_url)
+    return db is not None and _no_events_yet(db)
+
+
+def _sqlite_file(db_url: str) -> str | None:
+    if not db_url.startswith("sqlite") or ":///" not in db_url:
+        return None
+    db = db_url.split(":///", 1)[1].split("?", 1)[0]
+    return None if not db or db.startswith((":memory:", "file:")) else db
+
+
+def _no_events_yet(db: str) -> bool:
+    """Does the SQLite file hold no event yet (no file, an empty one, no `events` table
+    or an empty one)? Read only; any doubt answers no (the vault stays off)."""
+    p = Path(db)
+    if not p.exists() or p.stat().st_size == 0:
+        return True
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=5)
+        try:
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                            "name = 'events'").fetchone() is None:
+                return True
+            return conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+
+
+def open_vault(db_url: str, setting: bool | KeyStore | None) -> Vault | None:
+    """The vault a ledger uses: an explicit key store, on/off, else `MEMLEDGER_VAULT`,
+    else `default_on`. A key store file chosen by default is created at once, so the
+    choice holds for every process that opens the ledger later (also once the
+    ledger has events)."""
+    if isinstance(setting, KeyStore):
+        return Vault(setting)
+    on = setting if setting is not None else enabled_by_env()
+    if on is None:
+        on = default_on(db_url)
+    if not on:
+        return None
+    keys = key_store_for(db_url)
+    if isinstance(keys, FileKeyStore) and setting is None:
+        keys.create()
+    return Vault(keys)
 
 
 def enabled_by_env() -> bool | None:

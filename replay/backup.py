@@ -475,6 +475,11 @@ class _Keys:
                        "unreadable_no_key": 0, "sealed_now": 0}
         self.envelopes_only = False
         present = self.vault is not None and self.vault.keys.exists()
+        if present and sealed and self.vault is not None:
+            # A key store that knows none of the backup's keys (neither holds nor
+            # fenced one) is not the backup's: a new, empty one made by default.
+            ks = self.vault.keys
+            present = bool(ks.load(sealed)) or bool(ks.fenced(sealed))
         if sealed and not present:
             if not envelopes_only:
                 raise KeyStoreMissing(
