@@ -447,13 +447,15 @@ class FileKeyStore(KeyStore):
                     data += chunk
                 keys: dict[str, bytes] = {}
                 fences: set[str] = set()
-                for line in data.split(b"\n"):
+                lines = data.split(b"\n")
+                for n, line in enumerate(lines):
                     try:
                         obj = orjson.loads(line) if line.strip() else {}
                     except orjson.JSONDecodeError:
-                        if line is data.split(b"\n")[-1]:
+                        if n == len(lines) - 1:
                             break  # a torn last line was never acknowledged
-                        raise VaultError(f"key store {self.path} is damaged") from None
+                        raise VaultError(f"key store {self.path} is damaged at line "
+                                         f"{n + 1}") from None
                     if "k" in obj:
                         keys[obj["k"]] = base64.b64decode(obj["w"])
                     elif "f" in obj:

@@ -484,7 +484,7 @@ class _Keys:
             if not envelopes_only:
                 raise KeyStoreMissing(
                     self.vault.keys.where() if self.vault is not None else
-                    "vault off: MEMLEDGER_VAULT is not set", len(sealed))
+                    "vault off for this ledger: set MEMLEDGER_VAULT=on", len(sealed))
             self.envelopes_only = True
         self.fenced: set[str] = set()
         if self.vault is not None and present:
