@@ -108,8 +108,9 @@ def test_vault_cli(tmp_path: Path) -> None:
     """`vault status` and `vault encrypt` from the command line; `restore` without the
     key store refuses with the flag to use, and `--envelopes-only` restores."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    # A ledger written in clear (the vault switched off; new ledgers have it on).
+    Cli(url, str(tmp_path / "l.forgets"), env={"MEMLEDGER_VAULT": "off"}).append(story()[:6])
     cli = Cli(url, str(tmp_path / "l.forgets"))
-    cli.append(story()[:6])
     assert cli.json("vault", "status") == {"vault": False, "in_clear": 6}
     on = Cli(url, str(tmp_path / "l.forgets"), env={"MEMLEDGER_VAULT": "on"})
     assert on.json("vault", "encrypt", "--quiet")["in_clear_left"] == 0
