@@ -162,7 +162,8 @@ dead_letters = Table(
     Column("idempotency_key", String(256), nullable=True),
     Column("error", Text, nullable=False),
     # The event as received, unless it was rejected as a secret: then only its envelope.
-    Column("payload", LargeBinary, nullable=True),
+    # Sealed under a key of its own when the vault is on (`ledger.vault.dead_letter`).
+    Column("payload", SealedView, nullable=True),
     sqlite_autoincrement=True,
 )
 

@@ -32,15 +32,7 @@ from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent, now_iso
 from ledger.register import ForgetRegister, default_register_path
-from ledger.vault import (
-    FileKeyStore,
-    KeyStore,
-    Vault,
-    attach,
-    default_key_store_path,
-    enabled_by_env,
-    key_store_for,
-)
+from ledger.vault import KeyStore, attach, open_vault
 
 configure_default()
 log = structlog.get_logger("memledger.ledger")
@@ -48,18 +40,6 @@ log = structlog.get_logger("memledger.ledger")
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
 #: The ledger tables an append makes grow (`Recorder.note_growth`).
 GROWING_TABLES: Final = ("events",)
-
-
-def open_vault(url: str, setting: bool | KeyStore | None) -> Vault | None:
-    """The vault a store uses: an explicit key store, on/off, or (None) the setting
-    `MEMLEDGER_VAULT`, and when that is unset, on if the key store file exists."""
-    if isinstance(setting, KeyStore):
-        return Vault(setting)
-    on = setting if setting is not None else enabled_by_env()
-    if on is None:
-        path = default_key_store_path(url)
-        on = path is not None and FileKeyStore(path).exists()
-    return Vault(key_store_for(url)) if on else None
 
 
 class Store:
@@ -73,8 +53,9 @@ class Store:
         same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons).
 
         `vault`: encrypt content under per-subject keys (`ledger.vault`): True, False,
-        a `KeyStore`, or None for the setting `MEMLEDGER_VAULT` (and, when that is not
-        set, on if the ledger's key store file exists).
+        a `KeyStore`, or None for the setting `MEMLEDGER_VAULT`, and when that is not
+        set the default (`ledger.vault.default_on`: on for a new SQLite file ledger and
+        wherever the key store exists or `MEMLEDGER_VAULT_URL` names one).
 
         `clock` gives the recording time of an append (`events.recorded_at`, the axis
         of as-of reads): the UTC wall clock, RFC 3339 with microseconds; a test that

@@ -41,11 +41,15 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import fcntl
 import hashlib
+import itertools
 import os
+import sqlite3
+import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, Protocol, TypeVar
 
@@ -63,6 +67,8 @@ MAGIC: Final = b"\x00mlv1"
 KEY_ID_BYTES: Final = 16
 NONCE_BYTES: Final = 12
 HEADER: Final = len(MAGIC) + KEY_ID_BYTES
+#: How many ciphers a vault keeps built (`Vault._cache`).
+CIPHER_CACHE: Final = 1 << 16
 #: Event types whose payload is content a forget erases (sealed); the others (forgets,
 #: purges, marks) keep their payload in clear, as erasure keeps it.
 SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
@@ -246,13 +252,19 @@ class KeyStore(ABC):
     def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
         """Unwrapped data keys present in the store (all, or those of `ids`)."""
 
+    def get(self, kid: str) -> bytes | None:
+        """The unwrapped data key `kid`, or None if it is absent or destroyed."""
+        return self.load([kid]).get(kid)
+
     @abstractmethod
     def fenced(self, ids: Iterable[str]) -> set[str]:
         """Which of `ids` are fenced (destroyed; never provisioned again)."""
 
     @abstractmethod
-    def _add(self, keys: dict[str, bytes]) -> None:
-        """Store new wrapped keys durably."""
+    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
+        """Every key of `want`: those present, and new ones for the rest, stored durably
+        before it returns; `KeyFenced` if any of the rest is fenced. Atomic against
+        other processes' provisioning and fencing of the same ids."""
 
     @abstractmethod
     def _fence(self, ids: Sequence[str]) -> None:
@@ -262,21 +274,20 @@ class KeyStore(ABC):
     def _remove(self, ids: Sequence[str]) -> None:
         """Remove the keys of fenced `ids` from the store's files."""
 
+    def _new_keys(self, ids: Sequence[str]) -> dict[str, tuple[bytes, bytes]]:
+        """Fresh random data keys for `ids`: id -> (key, its wrapped form)."""
+        wrap = self.wrapper.wrap
+        out = {}
+        for k in ids:
+            key = AESGCM.generate_key(bit_length=256)
+            out[k] = (key, wrap(k, key))
+        return out
+
     def provision(self, ids: Iterable[str]) -> dict[str, bytes]:
         """Create the keys of `ids` that do not exist (durable before it returns);
         returns every key of `ids`. A fenced id raises `KeyFenced`."""
         want = sorted(set(ids))
-        have = self.load(want)
-        missing = [k for k in want if k not in have]
-        if not missing:
-            return have
-        fenced = self.fenced(missing)
-        if fenced:
-            raise KeyFenced(f"{len(fenced)} data key(s) were destroyed by a forget and are "
-                            "never provisioned again")
-        new = {k: AESGCM.generate_key(bit_length=256) for k in missing}
-        self._add({k: self.wrapper.wrap(k, v) for k, v in new.items()})
-        return {**have, **new}
+        return self._provision(want) if want else {}
 
     def destroy(self, ids: Iterable[str]) -> int:
         """Fence `ids` durably, then remove their keys; returns how many were fenced now."""
@@ -292,13 +303,23 @@ class KeyStore(ABC):
 
 
 class FileKeyStore(KeyStore):
-    """A JSON Lines file beside the SQLite database (`<db>.vault`), mode 0600.
+    """A binary file beside the SQLite database (`<db>.vault`), mode 0600.
 
-    Lines: `{"k": id, "w": base64}` (a key) and `{"f": id}` (a fence). Every append is
-    fsynced before it returns. A destroyed key's line is overwritten in place with a
-    line of the same length that holds no key (`{"d": id}` padded), and fsynced; the
-    fence line was fsynced before. A crash between the two leaves a fenced key, which
-    counts as destroyed and is overwritten at the next open.
+    The file starts with `FILE_MAGIC`; then records of `tag` (1 byte), key id (16
+    bytes), length (2 bytes, big-endian) and that many bytes: `K` a wrapped key, `F` a
+    fence (no bytes), `D` a destroyed key (its bytes zeroed). Writers take an exclusive
+    `flock` on the file, read what other processes appended since their last look,
+    append their records in one write and fsync before they return: one fsync for
+    every key a group commit provisions. Destroying a key appends its fence record and
+    fsyncs first, then overwrites the key's record in place with a `D` record of the
+    same length, and fsyncs. A crash between the two leaves a fenced key, which counts
+    as destroyed and is overwritten at the next open; a crash in the middle of an
+    append leaves a torn record, never acknowledged, which the next writer cuts off.
+
+    A key store written by an earlier memledger as JSON Lines (`{"k": id, "w":
+    base64}` / `{"f": id}` / `{"d": ...}`) is rewritten in this format when first
+    opened (a new file, fsynced, renamed over the old one); destroyed keys are not
+    carried over.
     """
 
     kind: ClassVar[str] = "file"
@@ -307,9 +328,12 @@ class FileKeyStore(KeyStore):
                  ) -> None:
         super().__init__(wrapper)
         self.path = Path(path)
-        self._keys: dict[str, tuple[int, bytes]] = {}  # id -> (line offset, wrapped)
+        self._keys: dict[str, tuple[int, bytes]] = {}  # id -> (record offset, wrapped)
+        self._plain: dict[str, bytes] = {}  # unwrapped keys, by id
         self._fences: set[str] = set()
         self._read_to = 0
+        self._ino: int | None = None
+        self._fd: int | None = None
         self._lock = threading.Lock()
         self._opened = False
 
@@ -319,86 +343,272 @@ class FileKeyStore(KeyStore):
     def exists(self) -> bool:
         return self.path.exists()
 
-    def _refresh(self) -> None:
-        """Read what other processes appended since the last read."""
-        if not self.path.exists():
-            return
-        with self.path.open("rb") as f:
-            f.seek(self._read_to)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a torn last line is read once it is whole
-        off = self._read_to
-        for line in data[:end].split(b"\n")[:-1]:
-            here, off = off, off + len(line) + 1
+    # -- the file ------------------------------------------------------------------------
+    def _open_fd(self, create: bool) -> int | None:
+        """The store's file descriptor (reopened if the file was replaced), or None if
+        the file does not exist and `create` is false."""
+        if self._fd is not None:
             try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                raise VaultError(f"key store {self.path} is damaged at byte {here}") from None
-            if "k" in obj:
-                self._keys[obj["k"]] = (here, base64.b64decode(obj["w"]))
-            elif "f" in obj:
-                self._fences.add(obj["f"])
-        self._read_to += end
+                same = os.stat(self.path).st_ino == self._ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return self._fd
+            os.close(self._fd)
+            self._fd, self._ino = None, None
+            self._keys.clear()
+            self._plain.clear()
+            self._read_to = 0  # replaced (converted by another process): read it again
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            return None
+        with _flocked(fd):
+            if os.fstat(fd).st_size == 0:
+                os.write(fd, FILE_MAGIC)
+                os.fsync(fd)
+                _fsync_dir(self.path)
+            legacy = os.pread(fd, 1, 0) == b"{"
+        if legacy:
+            os.close(fd)
+            self._convert_legacy()
+            return self._open_fd(create)
+        self._fd, self._ino = fd, os.fstat(fd).st_ino
+        return fd
+
+    def _read_tail(self, fd: int, *, writer: bool) -> None:
+        """Index the records appended since the last look. A torn last record is left
+        for later by a reader (its writer may still be at work) and cut off by a writer
+        (holding the lock, it knows nobody is)."""
+        size = os.fstat(fd).st_size
+        if self._read_to == 0:
+            if os.pread(fd, len(FILE_MAGIC), 0) != FILE_MAGIC:
+                raise VaultError(f"key store {self.path} is not a memledger key store "
+                                 "(or its first bytes are damaged)")
+            self._read_to = len(FILE_MAGIC)
+        if size > self._read_to:
+            data = os.pread(fd, size - self._read_to, self._read_to)
+            base, i, n = self._read_to, 0, len(data)
+            keys, fences = self._keys, self._fences
+            while i + _REC.size <= n:
+                tag, raw_id, length = _REC.unpack_from(data, i)
+                end = i + _REC.size + length
+                if end > n:
+                    break
+                kid = raw_id.hex()
+                if tag == b"K":
+                    keys[kid] = (base + i, data[i + _REC.size:end])
+                elif tag == b"F":
+                    fences.add(kid)
+                elif tag != b"D":
+                    raise VaultError(f"key store {self.path} is damaged at byte {base + i}")
+                i = end
+            self._read_to = base + i
+            if writer and self._read_to < size:  # a torn record of a crashed writer
+                os.ftruncate(fd, self._read_to)
+                os.fsync(fd)
         if not self._opened:
             self._opened = True
             leftover = [k for k in self._fences if k in self._keys]
             if leftover:  # fenced before a crash, not yet overwritten
-                self._remove(leftover)
+                self._overwrite(fd, leftover)
+
+    def _append(self, fd: int, records: bytes) -> int:
+        """Write `records` at the end (the caller holds the lock and has read the tail)
+        and fsync; returns the offset they start at."""
+        start = self._read_to
+        os.pwrite(fd, records, start)
+        os.fsync(fd)
+        self._read_to = start + len(records)
+        return start
+
+    def _overwrite(self, fd: int, ids: Sequence[str]) -> None:
+        """Overwrite the records of `ids`' keys in place with `D` records and fsync."""
+        hits = [(k, *self._keys[k]) for k in ids if k in self._keys]
+        for k, off, wrapped in hits:
+            os.pwrite(fd, _REC.pack(b"D", bytes.fromhex(k), len(wrapped))
+                      + bytes(len(wrapped)), off)
+        if hits:
+            os.fsync(fd)
+        for k, _, _ in hits:
+            del self._keys[k]
+            self._plain.pop(k, None)
+
+    def _convert_legacy(self) -> None:
+        """Rewrite a JSON Lines key store (an earlier format) in this one."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with _flocked(fd):
+                if os.pread(fd, 1, 0) != b"{":
+                    return  # another process converted it meanwhile
+                data = b""
+                while chunk := os.pread(fd, 1 << 20, len(data)):
+                    data += chunk
+                keys: dict[str, bytes] = {}
+                fences: set[str] = set()
+                lines = data.split(b"\n")
+                for n, line in enumerate(lines):
+                    try:
+                        obj = orjson.loads(line) if line.strip() else {}
+                    except orjson.JSONDecodeError:
+                        if n == len(lines) - 1:
+                            break  # a torn last line was never acknowledged
+                        raise VaultError(f"key store {self.path} is damaged at line "
+                                         f"{n + 1}") from None
+                    if "k" in obj:
+                        keys[obj["k"]] = base64.b64decode(obj["w"])
+                    elif "f" in obj:
+                        fences.add(obj["f"])
+                out = bytearray(FILE_MAGIC)
+                for k in sorted(fences):
+                    out += _REC.pack(b"F", bytes.fromhex(k), 0)
+                for k, w in keys.items():
+                    if k not in fences:
+                        out += _REC.pack(b"K", bytes.fromhex(k), len(w)) + w
+                tmp = self.path.with_name(self.path.name + ".converting")
+                tfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.write(tfd, bytes(out))
+                    os.fsync(tfd)
+                finally:
+                    os.close(tfd)
+                os.replace(tmp, self.path)
+                _fsync_dir(self.path)
+                # The old file's blocks held the keys of forgotten subjects as well:
+                # zero them before the last link to it goes.
+                os.pwrite(fd, bytes(len(data)), 0)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _refresh(self) -> int | None:
+        """Read what other processes appended since the last look (caller holds
+        `_lock`); the file descriptor, or None while the file does not exist."""
+        fd = self._open_fd(create=False)
+        if fd is not None:
+            self._read_tail(fd, writer=False)
+        return fd
+
+    # -- the interface -------------------------------------------------------------------
+    def _unwrapped(self, kid: str) -> bytes:
+        key = self._plain.get(kid)
+        if key is None:
+            key = self._plain[kid] = self.wrapper.unwrap(kid, self._keys[kid][1])
+        return key
 
     def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
         with self._lock:
-            wanted = None if ids is None else list(ids)
-            if wanted is None or any(k not in self._keys for k in wanted):
+            if ids is None:
                 self._refresh()
-            pick = self._keys if wanted is None else {
-                k: self._keys[k] for k in wanted if k in self._keys}
-            return {k: self.wrapper.unwrap(k, w) for k, (_, w) in pick.items()
-                    if k not in self._fences}
+                return {k: self._unwrapped(k) for k in self._keys if k not in self._fences}
+            wanted = list(ids)
+            if any(k not in self._keys for k in wanted):
+                self._refresh()
+            return {k: self._unwrapped(k) for k in wanted
+                    if k in self._keys and k not in self._fences}
+
+    def create(self) -> None:
+        """Create the file (empty, with its header) if it does not exist."""
+        with self._lock:
+            self._open_fd(create=True)
+
+    def get(self, kid: str) -> bytes | None:
+        with self._lock:
+            if kid not in self._keys:
+                self._refresh()
+            if kid in self._keys and kid not in self._fences:
+                return self._unwrapped(kid)
+            return None
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         with self._lock:
             self._refresh()
             return {k for k in ids if k in self._fences}
 
-    def _append(self, lines: list[bytes]) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            start = os.fstat(fd).st_size
-            os.write(fd, b"".join(lines))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return start
-
-    def _add(self, keys: dict[str, bytes]) -> None:
+    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
         with self._lock:
-            self._refresh()
-            lines = [orjson.dumps({"k": k, "w": base64.b64encode(w).decode()}) + b"\n"
-                     for k, w in keys.items()]
-            self._append(lines)
-            self._refresh()
+            self._refresh()  # a fence another process wrote since counts
+            if all(k in self._keys and k not in self._fences for k in want):
+                return {k: self._unwrapped(k) for k in want}
+            fd = self._open_fd(create=True)
+            assert fd is not None
+            with _flocked(fd):
+                self._read_tail(fd, writer=True)
+                _refuse_fenced([k for k in want if k in self._fences])
+                have = {k: self._unwrapped(k) for k in want if k in self._keys}
+                new = self._new_keys([k for k in want if k not in have])
+                if new:
+                    out = bytearray()
+                    offs: list[tuple[str, int, bytes]] = []
+                    for k, (key, wrapped) in new.items():
+                        offs.append((k, len(out), wrapped))
+                        out += _REC.pack(b"K", bytes.fromhex(k), len(wrapped)) + wrapped
+                        self._plain[k] = key
+                    start = self._append(fd, bytes(out))
+                    for k, off, wrapped in offs:
+                        self._keys[k] = (start + off, wrapped)
+                    have.update({k: key for k, (key, _) in new.items()})
+            return have
 
     def _fence(self, ids: Sequence[str]) -> None:
         with self._lock:
-            self._append([orjson.dumps({"f": k}) + b"\n" for k in ids])
-            self._refresh()
+            fd = self._open_fd(create=True)
+            assert fd is not None
+            with _flocked(fd):
+                self._read_tail(fd, writer=True)
+                self._append(fd, b"".join(_REC.pack(b"F", bytes.fromhex(k), 0)
+                                          for k in ids))
+                self._fences.update(ids)
+                for k in ids:
+                    self._plain.pop(k, None)
 
     def _remove(self, ids: Sequence[str]) -> None:
-        hits = [(k, self._keys[k][0]) for k in ids if k in self._keys]
-        if not hits:
-            return
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            for k, off in hits:
-                length = len(orjson.dumps({"k": k, "w": base64.b64encode(
-                    self._keys[k][1]).decode()}))
-                blank = orjson.dumps({"d": k})
-                os.pwrite(fd, blank[:-1] + b" " * (length - len(blank)) + b"}", off)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        for k, _ in hits:
-            del self._keys[k]
+        with self._lock:
+            fd = self._open_fd(create=False)
+            if fd is None:
+                return
+            with _flocked(fd):
+                self._read_tail(fd, writer=True)
+                self._overwrite(fd, [k for k in ids if k in self._fences])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._plain.clear()
+
+
+#: First bytes of a key store file (`FileKeyStore`).
+FILE_MAGIC: Final = b"\x00mlks2\n"
+#: A key store record's head: tag, key id, length of what follows.
+_REC: Final = struct.Struct(">c16sH")
+
+
+@contextlib.contextmanager
+def _flocked(fd: int) -> Iterator[None]:
+    """Hold an exclusive lock on the key store file (between processes)."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a file's creation or renaming durable."""
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _refuse_fenced(hit: Sequence[str]) -> None:
+    if hit:
+        raise KeyFenced(f"{len(hit)} data key(s) were destroyed by a forget and are never "
+                        "provisioned again")
 
 
 class PostgresKeyStore(KeyStore):
@@ -489,20 +699,35 @@ class PostgresKeyStore(KeyStore):
                                       "WHERE key_id = ANY($1::text[])", wanted))
         return {r[0] for r in self._run(q())} if wanted else set()
 
-    def _add(self, keys: dict[str, bytes]) -> None:
-        async def q() -> None:
+    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
+        # No shortcut through the cache: another process may have fenced a cached id.
+        new = self._new_keys(want)
+        s = self.schema
+
+        async def q() -> list[Any]:
             c = await self._connection()
             async with c.transaction():
-                # The fence is checked again inside the transaction that inserts.
-                hit = await c.fetchval(f'SELECT count(*) FROM "{self.schema}".key_fence '
-                                       "WHERE key_id = ANY($1::text[])", list(keys))
+                # The fence is checked inside the transaction that inserts, with the
+                # fence table locked against a destroy's insert until it commits.
+                await c.execute(f'LOCK TABLE "{s}".key_fence IN SHARE MODE')
+                hit = await c.fetchval(f'SELECT count(*) FROM "{s}".key_fence '
+                                       "WHERE key_id = ANY($1::text[])", list(new))
                 if hit:
                     raise KeyFenced(f"{hit} data key(s) were destroyed by a forget and "
                                     "are never provisioned again")
                 await c.executemany(
-                    f'INSERT INTO "{self.schema}".data_keys (key_id, wrapped) '
-                    "VALUES ($1, $2) ON CONFLICT DO NOTHING", list(keys.items()))
-        self._run(q())
+                    f'INSERT INTO "{s}".data_keys (key_id, wrapped) '
+                    "VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    [(k, w) for k, (_, w) in new.items()])
+                # What is stored now, ours or another process's key of the same id.
+                return list(await c.fetch(
+                    f'SELECT key_id, wrapped FROM "{s}".data_keys '
+                    "WHERE key_id = ANY($1::text[])", list(new)))
+        for r in self._run(q()):
+            mine = new[r[0]]
+            self._cache[r[0]] = mine[0] if bytes(r[1]) == mine[1] else \
+                self.wrapper.unwrap(r[0], bytes(r[1]))
+        return {k: self._cache[k] for k in want if k in self._cache}
 
     def _fence(self, ids: Sequence[str]) -> None:
         async def q() -> None:
@@ -563,6 +788,75 @@ def key_store_for(db_url: str, *, path: str | None = None, url: str | None = Non
     return PostgresKeyStore(db_url, wrapper)
 
 
+def default_on(db_url: str) -> bool:
+    """Is the vault on for this ledger when nothing says (no `vault=` argument and
+    `MEMLEDGER_VAULT` unset)? On for every new ledger that has a place for its key
+    store apart from the database, and for any ledger whose key store exists:
+
+    - a key store database is named (`MEMLEDGER_VAULT_URL`), or the key store file
+      (`<sqlite path>.vault`, or `MEMLEDGER_VAULT_PATH`) exists: on;
+    - a SQLite file ledger that is new (no file, or no event yet): on;
+    - otherwise off: an existing SQLite ledger written in clear (convert it with
+      `memledger vault encrypt` after `MEMLEDGER_VAULT=on`), an in-memory ledger (no
+      file beside it, nothing at rest), and PostgreSQL without `MEMLEDGER_VAULT_URL`
+      (its default key store, a schema of the ledger's own database, would travel in
+      every `pg_dump` of it).
+    """
+    if os.environ.get(ENV_URL):
+        return True
+    path = default_key_store_path(db_url)
+    if path is None:
+        return False
+    if Path(path).exists():
+        return True
+    db = _sqlite_file(db_url)
+    return db is not None and _no_events_yet(db)
+
+
+def _sqlite_file(db_url: str) -> str | None:
+    if not db_url.startswith("sqlite") or ":///" not in db_url:
+        return None
+    db = db_url.split(":///", 1)[1].split("?", 1)[0]
+    return None if not db or db.startswith((":memory:", "file:")) else db
+
+
+def _no_events_yet(db: str) -> bool:
+    """Does the SQLite file hold no event yet (no file, an empty one, no `events` table
+    or an empty one)? Read only; any doubt answers no (the vault stays off)."""
+    p = Path(db)
+    if not p.exists() or p.stat().st_size == 0:
+        return True
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=5)
+        try:
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                            "name = 'events'").fetchone() is None:
+                return True
+            return conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+
+
+def open_vault(db_url: str, setting: bool | KeyStore | None) -> Vault | None:
+    """The vault a ledger uses: an explicit key store, on/off, else `MEMLEDGER_VAULT`,
+    else `default_on`. A key store file chosen by default is created at once, so the
+    choice holds for every process that opens the ledger later (also once the
+    ledger has events)."""
+    if isinstance(setting, KeyStore):
+        return Vault(setting)
+    on = setting if setting is not None else enabled_by_env()
+    if on is None:
+        on = default_on(db_url)
+    if not on:
+        return None
+    keys = key_store_for(db_url)
+    if isinstance(keys, FileKeyStore) and setting is None:
+        keys.create()
+    return Vault(keys)
+
+
 def enabled_by_env() -> bool | None:
     """`MEMLEDGER_VAULT` as a setting: True (on), False (off) or None (not set)."""
     v = os.environ.get(ENV_ENABLE, "").strip().lower()
@@ -580,9 +874,27 @@ class Vault:
 
     def __init__(self, keys: KeyStore) -> None:
         self.keys = keys
-        # Ciphers by key id: building one costs as much as a decryption (~10 us), and
-        # a view row is opened on every `get`. Dropped when the key is destroyed.
-        self._cache: dict[str, AESGCM] = {}
+        # Ciphers (with the sealed-payload head of their id) by key id: building one
+        # costs about two encryptions, and a view row is opened on every `get`. Dropped
+        # when the key is destroyed; bounded, oldest first, so a long-running process
+        # does not keep one per event it ever saw.
+        self._cache: dict[str, tuple[AESGCM, bytes]] = {}
+
+    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+        cache = self._cache
+        if len(cache) >= CIPHER_CACHE:
+            for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
+                del cache[k]
+        entry = cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        return entry
+
+    def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
+        entry = self._cache.get(kid)
+        if entry is None:
+            raw = self.keys.get(kid)
+            if raw is not None:
+                entry = self._put(kid, raw)
+        return entry
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         """Encrypt, in place, the payload of every content row (one durable key
@@ -593,45 +905,58 @@ class Vault:
             return
         ids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
                for r in todo]
-        missing = [k for k in ids if k not in self._cache]
+        cache = self._cache
+        got = {k: cache[k] for k in ids if k in cache}
+        missing = [k for k in ids if k not in got]
         if missing:
-            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
-        for r, kid in zip(todo, ids, strict=True):
-            r["payload"] = seal(kid, self._cache[kid], r["payload"])
+            for k, v in self.keys.provision(missing).items():
+                got[k] = self._put(k, v)
+        nonces = os.urandom(NONCE_BYTES * len(todo))  # one call for the batch
+        for i, (r, kid) in enumerate(zip(todo, ids, strict=True)):
+            aead, head = got[kid]
+            nonce = nonces[i * NONCE_BYTES:(i + 1) * NONCE_BYTES]
+            r["payload"] = head + nonce + aead.encrypt(nonce, r["payload"], head)
 
     def ensure(self, ids: Iterable[str]) -> None:
         """Provision the keys of `ids` that do not exist (one durable write for all);
         a fenced id raises `KeyFenced`."""
         missing = sorted({k for k in ids if k not in self._cache})
         if missing:
-            self._cache.update({k: AESGCM(v) for k, v in self.keys.provision(missing).items()})
+            for k, v in self.keys.provision(missing).items():
+                self._put(k, v)
 
     def key(self, kid: str) -> AESGCM | None:
         """The cipher of data key `kid`, or None if the key is destroyed or absent."""
-        k = self._cache.get(kid)
-        if k is None:
-            raw = self.keys.load([kid]).get(kid)
-            if raw is not None:
-                k = self._cache[kid] = AESGCM(raw)
-        return k
+        entry = self._entry(kid)
+        return None if entry is None else entry[0]
 
     def open(self, blob: bytes | None) -> bytes | None:
         """The plaintext of a stored payload: plaintext passes through; a sealed one
         whose key is gone reads as None (erased)."""
         if blob is None or not is_sealed(blob):
             return blob
-        k = self.key(sealed_key_id(blob))
-        return None if k is None else unseal(k, blob)
+        entry = self._entry(sealed_key_id(blob))
+        return None if entry is None else unseal(entry[0], blob)
 
     def seal_view(self, kid: str, data: bytes) -> bytes | None:
         """A view copy of subject `kid`'s content, sealed under the subject's key. No
         key: the content came from a payload stored in clear (a ledger not yet
         converted by `memledger vault encrypt`) and stays so; a fenced key: the
         subject is forgotten, and nothing is stored."""
-        k = self.key(kid)
-        if k is not None:
-            return seal(kid, k, data)
+        entry = self._entry(kid)
+        if entry is not None:
+            aead, head = entry
+            nonce = os.urandom(NONCE_BYTES)
+            return head + nonce + aead.encrypt(nonce, data, head)
         return None if self.keys.fenced([kid]) else data
+
+    def seal_text(self, kid: str, text: str) -> str | None:
+        """`seal_view` for a text column: `TEXT_MAGIC` + base64 of the sealed bytes (or
+        the text as it is without a key, or None once the key is fenced)."""
+        sealed = self.seal_view(kid, text.encode())
+        if sealed is None or not is_sealed(sealed):
+            return None if sealed is None else str(text)
+        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
 
     def readable(self, blob: bytes) -> bool:
         """Does the key of a sealed payload exist here?"""
@@ -685,6 +1010,19 @@ class SubjectText(str):
         obj = super().__new__(cls, text)
         obj.kid = kid
         return obj
+
+
+def dead_letter(vault: Vault | None, tenant: str | None, data: bytes) -> bytes:
+    """A dead letter's payload on its way into `dead_letters.payload` (a `SealedView`):
+    with the vault on, the content of a subject of its own, under a fresh key (a
+    rejected event has no place in the ledger, so no envelope names its key; the key
+    id is in the sealed bytes, and erasure destroys it when a forget names what the
+    dead letter names, `projections.erasure.shred_dead_letters`)."""
+    if vault is None:
+        return data
+    kid = key_id(tenant or "", "\x00dead\x00" + os.urandom(KEY_ID_BYTES).hex())
+    vault.ensure([kid])
+    return Subject(data, kid)
 
 
 def subject(data: bytes | None, kid: str) -> bytes | None:
@@ -741,10 +1079,7 @@ class SealedText(TypeDecorator[str]):
         vault = _vault_of(dialect)
         if kid is None or vault is None:
             return value  # type: ignore[no-any-return]
-        sealed = vault.seal_view(kid, str(value).encode())
-        if sealed is None or not is_sealed(sealed):
-            return None if sealed is None else str(value)
-        return TEXT_MAGIC + base64.b64encode(sealed).decode("ascii")
+        return vault.seal_text(kid, value)
 
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         if value is None or not value.startswith(TEXT_MAGIC):
@@ -759,11 +1094,28 @@ def seal_columns(table: Any, rows: Sequence[dict[str, Any]], dialect: Dialect
                  ) -> Sequence[dict[str, Any]]:
     """`rows` with their sealed view columns sealed as their types would on the way in:
     for a writer that hands the driver plain tuples and so skips the types."""
-    cols = [(c.name, c.type) for c in table.columns if isinstance(c.type, SealedView | SealedText)]
-    if not cols or _vault_of(dialect) is None:
+    vault = _vault_of(dialect)
+    cols = _SEALED_COLS.get(table.name)
+    if cols is None:
+        cols = _SEALED_COLS[table.name] = [
+            (c.name, isinstance(c.type, SealedText)) for c in table.columns
+            if isinstance(c.type, SealedView | SealedText)]
+    if not cols or vault is None:
         return rows
-    return [{**r, **{name: typ.process_bind_param(r[name], dialect) for name, typ in cols}}
-            for r in rows]
+    out = []
+    for r in rows:
+        r = dict(r)
+        for name, text in cols:
+            v = r[name]
+            kid = getattr(v, "kid", None)
+            if kid is not None:
+                r[name] = vault.seal_text(kid, v) if text else vault.seal_view(kid, v)
+        out.append(r)
+    return out
+
+
+#: The sealed columns of each view table, by table name (`seal_columns`).
+_SEALED_COLS: dict[str, list[tuple[str, bool]]] = {}
 
 
 class SealedPayload(TypeDecorator[bytes]):
@@ -783,3 +1135,23 @@ class SealedPayload(TypeDecorator[bytes]):
         vault = _vault_of(dialect)
         blob = bytes(value)
         return None if vault is None else vault.open(blob)
+
+
+def sealed_columns(stmt: Any) -> tuple[tuple[int, Any], ...]:
+    """The selected columns of `stmt` whose type opens sealed content, by index."""
+    return tuple((i, c.type) for i, c in enumerate(stmt.selected_columns)
+                 if isinstance(c.type, SealedView | SealedText | SealedPayload))
+
+
+def open_columns(rows: Sequence[Sequence[Any]], sealed: Sequence[tuple[int, Any]],
+                 dialect: Dialect) -> list[tuple[Any, ...]]:
+    """Driver rows with their sealed columns opened as their types would on the way
+    out: for a reader that takes the driver's rows and so skips the types."""
+    out = []
+    for r in rows:
+        row = list(r)
+        for i, typ in sealed:
+            if row[i] is not None:
+                row[i] = typ.process_result_value(row[i], dialect)
+        out.append(tuple(row))
+    return out

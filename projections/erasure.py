@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import select, update
+from sqlalchemy import LargeBinary, select, type_coerce, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -22,7 +22,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import Recorder
 from ledger.records import StoredEvent
 from ledger.store import Store
-from ledger.vault import subject_of, summary_key_id
+from ledger.vault import is_sealed, sealed_key_id, subject_of, summary_key_id
 from projections.sql import chunks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -48,6 +48,7 @@ class ErasureProjection:
         for ts in tombs:
             await shred_keys(store, conn, ts)
             await erase_payloads(conn, ts)
+            await shred_dead_letters(store, conn, ts)
             await erase_dead_letters(conn, ts)
 
 
@@ -83,12 +84,44 @@ async def erase_dead_letters(conn: AsyncConnection, ts: Tombstone) -> int:
         dl.tenant == ts.tenant, dl.payload.is_not(None)))).all()
     hit = []
     for r in rows:
+        if r.payload is None:  # sealed, its key gone: `shred_dead_letters` nulls those
+            continue
         try:
             obj = orjson.loads(r.payload)
         except orjson.JSONDecodeError:
             continue
         if dead_letter_covered(obj, ts):
             hit.append(r.id)
+    for chunk in chunks(hit, 500):
+        await conn.execute(update(t.dead_letters).where(dl.id.in_(chunk)).values(payload=None))
+    return len(hit)
+
+
+async def shred_dead_letters(store: Store, conn: AsyncConnection, ts: Tombstone) -> int:
+    """Destroy the keys of the sealed dead letters that name what a tombstone covers
+    (`ledger.vault.dead_letter`), and null their payloads: a copy taken before holds
+    them unreadable. Returns how many dead letters."""
+    if store.vault is None:
+        return 0
+    dl = t.dead_letters.c
+    raw = type_coerce(dl.payload, LargeBinary)
+    rows = (await conn.execute(select(dl.id, raw).where(
+        dl.tenant == ts.tenant, dl.payload.is_not(None)))).all()
+    hit: list[int] = []
+    kids: list[str] = []
+    for rid, blob in rows:
+        blob = bytes(blob)
+        if not is_sealed(blob):
+            continue  # in clear (written before the vault): `erase_dead_letters`
+        plain = store.vault.open(blob)
+        try:
+            covered = plain is None or dead_letter_covered(orjson.loads(plain), ts)
+        except orjson.JSONDecodeError:
+            continue
+        if covered:
+            hit.append(rid)
+            kids.append(sealed_key_id(blob))
+    store.vault.destroy(kids)
     for chunk in chunks(hit, 500):
         await conn.execute(update(t.dead_letters).where(dl.id.in_(chunk)).values(payload=None))
     return len(hit)

@@ -95,9 +95,14 @@ def memory_item(r: Any) -> dict[str, Any]:
     }
 
 
+#: What `get` returns of a row (`memory_item`): every column but the text, which with
+#: the vault on would be opened for nothing.
+_GET_COLUMNS = [c for c in t.mem_versions.c if c.name != "text"]
+
+
 def _get_statement() -> Any:
     mv = t.mem_versions.c
-    return select(t.mem_versions).where(
+    return select(*_GET_COLUMNS).where(
         mv.tenant == bindparam("tenant"), mv.ns_path == bindparam("ns"),
         mv.mkey == bindparam("key"), mv.status == "active",
         or_(mv.layer == "long",
@@ -113,7 +118,7 @@ _GET = _get_statement()
 #: The same statement for point reads on the calling thread (`get_now`).
 _GET_POINT = PointQuery(_GET)
 #: A `mem_versions` row as the driver returns it, with the columns as attributes.
-MemRow = namedtuple("MemRow", [c.name for c in t.mem_versions.c])  # type: ignore[misc]
+MemRow = namedtuple("MemRow", [c.name for c in _GET_COLUMNS])  # type: ignore[misc]
 
 
 def _get_values(who: Principal, namespace: list[str], key: str, now_us: int,

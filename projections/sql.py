@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.store import Store
-from ledger.vault import seal_columns
+from ledger.vault import open_columns, seal_columns, sealed_columns
 
 
 def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
@@ -137,11 +137,16 @@ async def fetch(store: Store, conn: AsyncConnection, stmt: Any) -> Sequence[Sequ
     SQLAlchemy quotes and escapes. Columns come back as the driver's types (0/1 for
     booleans on SQLite).
     """
-    if store.dialect != "sqlite" or store.vault is not None:
-        # With the vault on, sealed columns must pass through their type to be opened.
+    if store.dialect != "sqlite":
         return (await conn.execute(stmt)).all()
     sql = str(stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
-    return (await conn.exec_driver_sql(sql)).all()
+    rows = (await conn.exec_driver_sql(sql)).all()
+    if store.vault is not None and rows:
+        # Sealed columns are opened as their types would (`ledger.vault`).
+        sealed = sealed_columns(stmt)
+        if sealed:
+            return open_columns(rows, sealed, conn.dialect)
+    return rows
 
 
 def bulk_sql_possible(store: Store) -> bool:
@@ -166,6 +171,9 @@ class PointQuery:
         assert names is not None, "a point query needs positional parameters"
         self.names: tuple[str, ...] = tuple(names)
         self.defaults: dict[str, Any] = dict(compiled.params)
+        #: The selected columns that hold sealed content (`ledger.vault`), by index,
+        #: with their types: the driver's raw rows skip the types that open them.
+        self.sealed: tuple[tuple[int, Any], ...] = sealed_columns(stmt)
 
     def parameters(self, values: dict[str, Any]) -> list[Any]:
         """The positional parameters for `values` (by bind name)."""
@@ -178,14 +186,13 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
     """The rows of `q` read on the calling thread (SQLite files, no thread hop), as
     the driver returns them; None where that cannot be done (PostgreSQL, an in-memory
     database, a busy or missing file): the caller then runs `q.stmt` asynchronously."""
-    if store.vault is not None:
-        # Sealed view columns are opened by their SQLAlchemy column types, which the
-        # driver's raw rows skip: with the vault on, reads take the async path.
-        return None
     reader = store.recorder.point_reads()
     if reader is None:
         return None
-    return reader.rows(q.sql, q.parameters(values))
+    rows = reader.rows(q.sql, q.parameters(values))
+    if rows is None or store.vault is None or not q.sealed or not rows:
+        return rows
+    return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 
 
 async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any]

@@ -480,11 +480,16 @@ class _Keys:
                        "unreadable_no_key": 0, "sealed_now": 0}
         self.envelopes_only = False
         present = self.vault is not None and self.vault.keys.exists()
+        if present and sealed and self.vault is not None:
+            # A key store that knows none of the backup's keys (neither holds nor
+            # fenced one) is not the backup's: a new, empty one made by default.
+            ks = self.vault.keys
+            present = bool(ks.load(sealed)) or bool(ks.fenced(sealed))
         if sealed and not present:
             if not envelopes_only:
                 raise KeyStoreMissing(
                     self.vault.keys.where() if self.vault is not None else
-                    "vault off: MEMLEDGER_VAULT is not set", len(sealed))
+                    "vault off for this ledger: set MEMLEDGER_VAULT=on", len(sealed))
             self.envelopes_only = True
         self.fenced: set[str] = set()
         if self.vault is not None and present:

@@ -4,22 +4,23 @@ For a ledger written before the vault was switched on (ledger/vault.py): every c
 payload still in clear (memory writes, task opens, notes and closes) is sealed under
 its subject's key, batch by batch, each batch in one write transaction, so the command
 can be stopped at any point and run again: it finds what is still in clear and goes
-on. Then the views are rebuilt (their copies of the content are sealed as they are
-written) and the database files are compacted (`Recorder.compact`: SQLite VACUUM and
-WAL truncation, secure_delete being on; PostgreSQL VACUUM FULL), so no plaintext copy
-is left in them. A payload whose key a forget already destroyed is erased instead.
+on. Dead letters still in clear are sealed too. Then the views are rebuilt (their
+copies of the content are sealed as they are written) and the database files are
+compacted (`Recorder.compact`: SQLite VACUUM and WAL truncation, secure_delete being
+on; PostgreSQL VACUUM FULL), so no plaintext copy is left in them. A payload whose
+key a forget already destroyed is erased instead.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from sqlalchemy import LargeBinary, func, literal, select, type_coerce
+from sqlalchemy import LargeBinary, func, literal, select, type_coerce, update
 
 from ledger import schema as t
 from ledger.errors import MemledgerError
 from ledger.store import Store
-from ledger.vault import SEALED_TYPES, subject_of
+from ledger.vault import SEALED_TYPES, dead_letter, subject_of
 from replay.progress import Progress, ProgressCallback
 from replay.rebuild import rebuild
 
@@ -80,8 +81,27 @@ async def encrypt_ledger(store: Store, *, batch: int = BATCH, compact: bool = Tr
             await store.recorder.replace_payloads(conn, rows)
         bar.advance(len(rows))
     bar.finish()
+    dead = await _seal_dead_letters(store)
     rebuilt = await rebuild(store, restart=True, progress=progress)
     if compact:
         await store.recorder.compact()
-    return {"sealed": sealed, "erased": erased, "in_clear_left": await count_in_clear(store),
+    return {"sealed": sealed, "erased": erased, "dead_letters_sealed": dead,
+            "in_clear_left": await count_in_clear(store),
             "views_rebuilt_to": rebuilt["head"], "compacted": compact}
+
+
+async def _seal_dead_letters(store: Store) -> int:
+    """Seal the payloads of dead letters still in clear, each under a key of its own
+    (`ledger.vault.dead_letter`); returns how many."""
+    dl = t.dead_letters.c
+    raw = type_coerce(dl.payload, LargeBinary)
+    n = 0
+    async with store.write() as conn:
+        rows = (await conn.execute(select(dl.id, dl.tenant, raw.label("payload")).where(
+            dl.payload.is_not(None),
+            func.substr(raw, 1, 1) == literal(b"{", LargeBinary)))).all()
+        for rid, tenant, payload in rows:
+            await conn.execute(update(t.dead_letters).where(dl.id == rid).values(
+                payload=dead_letter(store.vault, tenant, bytes(payload))))
+            n += 1
+    return n

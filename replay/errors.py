@@ -61,7 +61,8 @@ class KeyStoreMissing(RestoreRefused):
         self.sealed = sealed
         super().__init__(
             f"the backup holds {sealed} encrypted payload(s) and the key store ({where}) "
-            "is not here: without it their content cannot be restored",
+            "is not here (or holds none of their keys): without it their content "
+            "cannot be restored",
             ". Point the vault at its key store (MEMLEDGER_VAULT_PATH or "
             "MEMLEDGER_VAULT_URL), or pass envelopes_only=True to restore the envelopes "
             "with the content left sealed and unreadable")

@@ -29,6 +29,7 @@ from ledger.recorder import WriteLock
 from ledger.records import now_iso
 from ledger.store import Store
 from ledger.validation import parse_event
+from ledger.vault import dead_letter
 from projections.erasure import dead_letter_covered
 from workers.policy import (
     MAX_DEFERRALS,
@@ -204,6 +205,8 @@ async def record_dead_letters(store: Store, items: Sequence[tuple[Any, BaseExcep
                     dead_letter_covered(orjson.loads(row["payload"]), ts) for ts in tombs):
                 row["payload"] = None  # a forget already covers what it names (R20)
             if not await _exists(conn, row):
+                if row["payload"] is not None:  # sealed when the vault is on
+                    row["payload"] = dead_letter(store.vault, row["tenant"], row["payload"])
                 await conn.execute(t.dead_letters.insert().values(**row))
                 written += 1
     return written

@@ -13,6 +13,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import select, type_coerce
 from sqlalchemy.types import LargeBinary
@@ -23,6 +24,7 @@ from ledger.events import derive_memory_id
 from ledger.store import Store
 from ledger.validation import parse_event
 from ledger.vault import (
+    FILE_MAGIC,
     FileKeyStore,
     KeyFenced,
     MasterKeyWrap,
@@ -165,11 +167,11 @@ def test_file_key_store_fence_and_removal(tmp_path: Path) -> None:
     path = tmp_path / "k.vault"
     ks = FileKeyStore(path)
     keys = ks.provision(["aa" * 16, "bb" * 16])
-    assert base64.b64encode(keys["aa" * 16]) in path.read_bytes()
+    assert keys["aa" * 16] in path.read_bytes()
     assert ks.destroy(["aa" * 16]) == 1
     data = path.read_bytes()
-    assert base64.b64encode(keys["aa" * 16]) not in data
-    assert base64.b64encode(keys["bb" * 16]) in data
+    assert keys["aa" * 16] not in data
+    assert keys["bb" * 16] in data
     later = FileKeyStore(path)
     assert later.load() == {"bb" * 16: keys["bb" * 16]}
     with pytest.raises(KeyFenced):
@@ -184,10 +186,10 @@ def test_a_crash_between_fence_and_removal_is_finished_at_open(tmp_path: Path) -
     ks = FileKeyStore(path)
     key = ks.provision(["cc" * 16])["cc" * 16]
     ks._fence(["cc" * 16])  # the crash: fence durable, key line still there
-    assert base64.b64encode(key) in path.read_bytes()
+    assert key in path.read_bytes()
     again = FileKeyStore(path)
     assert again.load() == {}
-    assert base64.b64encode(key) not in path.read_bytes()
+    assert key not in path.read_bytes() and base64.b64encode(key) not in path.read_bytes()
 
 
 def test_master_key_wraps_data_keys(tmp_path: Path) -> None:
@@ -197,7 +199,7 @@ def test_master_key_wraps_data_keys(tmp_path: Path) -> None:
     master = bytes(range(32))
     ks = FileKeyStore(path, MasterKeyWrap(master))
     key = ks.provision(["dd" * 16])["dd" * 16]
-    assert base64.b64encode(key) not in path.read_bytes()
+    assert key not in path.read_bytes() and base64.b64encode(key) not in path.read_bytes()
     assert FileKeyStore(path, MasterKeyWrap(master)).load()["dd" * 16] == key
     with pytest.raises(VaultError, match="another master key"):
         FileKeyStore(path, MasterKeyWrap(bytes(32))).load()
@@ -275,3 +277,50 @@ async def test_sdk_get_on_a_sqlite_file_opens_sealed_views(sqlite_url: str, tmp_
             raw = (await conn.execute(select(type_coerce(t.mem_versions.c.value,
                                                          LargeBinary)))).scalars().all()
         assert raw and all(SECRET.encode() not in bytes(v) for v in raw)
+
+
+def test_a_json_lines_key_store_is_converted_in_place(tmp_path: Path) -> None:
+    """A key store written as JSON Lines by an earlier version opens with the same keys
+    and fences, is rewritten in the binary format, and keeps refusing fenced ids."""
+    path = tmp_path / "k.vault"
+    kept, gone = bytes(range(32)), bytes(range(1, 33))
+    lines = [{"k": "aa" * 16, "w": base64.b64encode(kept).decode()},
+             {"k": "bb" * 16, "w": base64.b64encode(gone).decode()},
+             {"f": "bb" * 16}]
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    ks = FileKeyStore(path)
+    assert ks.load() == {"aa" * 16: kept}
+    data = path.read_bytes()
+    assert data.startswith(FILE_MAGIC) and kept in data
+    assert gone not in data and base64.b64encode(gone) not in data
+    with pytest.raises(KeyFenced):
+        FileKeyStore(path).provision(["bb" * 16])
+
+
+def test_a_torn_record_is_cut_off_by_the_next_writer(tmp_path: Path) -> None:
+    """A crash in the middle of an append leaves a torn record (never acknowledged):
+    readers skip it, the next writer cuts it off, and every whole record still reads."""
+    path = tmp_path / "k.vault"
+    key = FileKeyStore(path).provision(["cc" * 16])["cc" * 16]
+    with path.open("ab") as f:
+        f.write(b"K" + bytes(10))  # a torn record
+    assert FileKeyStore(path).load() == {"cc" * 16: key}
+    other = FileKeyStore(path).provision(["dd" * 16])
+    assert FileKeyStore(path).load() == {"cc" * 16: key, **other}
+
+
+def test_two_processes_share_one_key_store(tmp_path: Path) -> None:
+    """Two stores on one file (two processes): a key one provisions, the other reads
+    (and never makes a second key of the same id); a key one destroys, the other
+    refuses to provision again, and no later process finds it."""
+    path = tmp_path / "k.vault"
+    a, b = FileKeyStore(path), FileKeyStore(path)
+    ka = a.provision(["a1" * 16])
+    kb = b.provision(["b1" * 16, "a1" * 16])
+    assert kb["a1" * 16] == ka["a1" * 16]  # the stored key, never a second one
+    assert a.get("b1" * 16) == kb["b1" * 16]
+    b.destroy(["a1" * 16])
+    assert FileKeyStore(path).get("a1" * 16) is None
+    with pytest.raises(KeyFenced):
+        a.provision(["a1" * 16])
+    assert ka["a1" * 16] not in path.read_bytes()

@@ -20,6 +20,7 @@ from replay.verify import verify
 from tests.cli import Cli
 from tests.factories import event, src, write
 from tests.helpers import dump_views
+from workers.ingest import list_dead_letters, record_dead_letters
 
 U7 = reads.Principal("shop-a", "u7")
 NS7 = ["shop-a", "u7", "preferences"]
@@ -61,6 +62,8 @@ async def test_encrypt_in_place_resumable(db_url: str, tmp_path: Path) -> None:
         for e in story():
             await plain.append_one(parse_event(e))
         await Runner(plain).catch_up()
+        await record_dead_letters(plain, [(write("pin", DEAD, idem="d1", layer="bad"),
+                                           ValueError("bad layer"))])
         before = await dump_views(plain)
         assert await count_in_clear(plain) == 6  # the forgotten write is erased already
     finally:
@@ -81,6 +84,9 @@ async def test_encrypt_in_place_resumable(db_url: str, tmp_path: Path) -> None:
         assert await count_in_clear(store) == 4  # the first batch is committed
         res = await encrypt_ledger(store, batch=2)
         assert (res["sealed"], res["in_clear_left"]) == (4, 0)
+        assert res["dead_letters_sealed"] == 1
+        listed = await list_dead_letters(store)
+        assert listed[0]["event"]["data"]["value"] == DEAD  # opens with its key
         assert await dump_views(store) == before
         assert (await verify(store))["ok"]
         async with store.read() as conn:
@@ -92,14 +98,19 @@ async def test_encrypt_in_place_resumable(db_url: str, tmp_path: Path) -> None:
         db = Path(db_url.split(":///", 1)[1])
         files = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
         assert SECRET.encode() not in files
+        assert DEAD.encode() not in files
+
+
+DEAD = "NUMBAT-dead-letter-3390"
 
 
 def test_vault_cli(tmp_path: Path) -> None:
     """`vault status` and `vault encrypt` from the command line; `restore` without the
     key store refuses with the flag to use, and `--envelopes-only` restores."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    # A ledger written in clear (the vault switched off; new ledgers have it on).
+    Cli(url, str(tmp_path / "l.forgets"), env={"MEMLEDGER_VAULT": "off"}).append(story()[:6])
     cli = Cli(url, str(tmp_path / "l.forgets"))
-    cli.append(story()[:6])
     assert cli.json("vault", "status") == {"vault": False, "in_clear": 6}
     on = Cli(url, str(tmp_path / "l.forgets"), env={"MEMLEDGER_VAULT": "on"})
     assert on.json("vault", "encrypt", "--quiet")["in_clear_left"] == 0

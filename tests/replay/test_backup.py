@@ -65,8 +65,11 @@ async def test_backup_under_concurrent_appends_restores_consistently(
     tombstones and task owners included, and verifies clean."""
     live = Store(db_url, register_path=str(tmp_path / "live.forgets"))
     writer = Store(db_url, register_path=str(tmp_path / "live.forgets"))
+    # Restored elsewhere with the live ledger's key store (the vault is on by default
+    # for a new SQLite ledger; None: in clear, the target's default then applies).
     target = Store(f"sqlite+aiosqlite:///{tmp_path / 'restored.db'}",
-                   register_path=str(tmp_path / "live.forgets"))
+                   register_path=str(tmp_path / "live.forgets"),
+                   vault=live.vault.keys if live.vault is not None else None)
     try:
         await load(live)
         stop = asyncio.Event()
@@ -141,8 +144,12 @@ async def test_round_trip_sqlite_postgres_sqlite(tmp_path: Path, sqlite_url: str
     """A SQLite backup restores into PostgreSQL and back with identical views, ledger
     rows and a passing verify."""
     reg = str(tmp_path / "l.forgets")
-    first, pg = Store(sqlite_url, register_path=reg), Store(pg_url, register_path=reg)
-    back = Store(f"sqlite+aiosqlite:///{tmp_path / 'back.db'}", register_path=reg)
+    first = Store(sqlite_url, register_path=reg)
+    # One key store for the content wherever it is restored (the vault is on by default
+    # for the new SQLite ledger).
+    keys = first.vault.keys if first.vault is not None else None
+    pg = Store(pg_url, register_path=reg, vault=keys)
+    back = Store(f"sqlite+aiosqlite:///{tmp_path / 'back.db'}", register_path=reg, vault=keys)
     try:
         await load(first)
         views = await dump_views(first, ALL_VIEWS)
@@ -179,7 +186,9 @@ async def test_backup_from_before_a_forget_restores_nothing_forgotten(
         held = b"".join(r["payload"] or b"" for tb, rows in
                         BackupReader(tmp_path / "old.backup").rows() if tb is t.events
                         for r in rows)
-        assert SECRET.encode() in held  # the old backup holds it; the restore must not
+        # Without the vault the old backup holds it and the restore must not bring it
+        # back; with the vault (the default for a new SQLite ledger) it holds ciphertext.
+        assert (SECRET.encode() in held) == (store.vault is None)
         # After the backup: u7 writes M9 and forgets it by id, the key and task forgets of
         # the story happen, and everything is projected and erased.
         after = [pin, event("memory.forgotten", {"memory_id": "M9"}, idem="late-2",
@@ -193,7 +202,9 @@ async def test_backup_from_before_a_forget_restores_nothing_forgotten(
         # M9's write is not in the old backup: its forget is recorded all the same.
         assert how == {"late-2": "recorded", "s10": "appended", "s12": "appended",
                        "s15": "appended"}
-        assert res["reapplied"]["payloads_erased"] >= 3
+        # Erased by the reapplied forgets, or (vault) restored redacted: keys destroyed.
+        assert res["reapplied"]["payloads_erased"] + \
+            res["vault"]["redacted_key_destroyed"] >= 3
         text = await read_everything(store)
         assert "QUOKKA" not in text and "German" not in text
         assert (await verify(store))["ok"]
@@ -272,7 +283,11 @@ def test_restore_cli_refusals(db_url: str, tmp_path: Path) -> None:
     assert "unusable" in err
     assert cli.json("replay", "verify")["ok"]
 
-    other = Cli(f"sqlite+aiosqlite:///{tmp_path / 'new.db'}", str(tmp_path / "none.forgets"))
+    # Elsewhere, with the first ledger's key store where it has one (the vault's default
+    # for a new SQLite ledger): a new ledger's own would hold none of the backup's keys.
+    first_keys = tmp_path / "ledger.db.vault"
+    other = Cli(f"sqlite+aiosqlite:///{tmp_path / 'new.db'}", str(tmp_path / "none.forgets"),
+                env={"MEMLEDGER_VAULT_PATH": str(first_keys)} if first_keys.exists() else None)
     err = other.json("restore", str(tmp_path / "b.jsonl"), check=1)["error"]
     assert "forget register" in err and "--without-register" in err
     res = other.json("restore", str(tmp_path / "b.jsonl"), "--without-register")

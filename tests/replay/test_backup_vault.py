@@ -23,18 +23,27 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import LargeBinary, select, type_coerce
 from structlog.testing import capture_logs
 
 from ledger import schema as t
 from ledger.events import derive_memory_id
 from ledger.store import Store
 from ledger.validation import parse_event
-from ledger.vault import FileKeyStore, PostgresKeyStore, key_store_for, subject_of
+from ledger.vault import (
+    FileKeyStore,
+    PostgresKeyStore,
+    is_sealed,
+    key_store_for,
+    sealed_key_id,
+    subject_of,
+)
 from projections import reads
 from projections.runner import Runner
 from replay.backup import backup, restore
 from replay.errors import KeyStoreMissing
 from replay.verify import verify
+from replay.verify.forgotten import verify_forgotten
 from tests.factories import event, src, write
 
 U7 = reads.Principal("shop-a", "u7")
@@ -374,3 +383,35 @@ async def test_restore_of_a_clear_backup_into_the_vault(sqlite_url: str,
     files = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
     for secret in (SECRET, NOTE_SECRET, KEPT):
         assert secret.encode() not in files, secret
+
+
+async def test_dead_letters_are_sealed_and_shredded(db_url: str, tmp_path: Path) -> None:
+    """A dead letter (a rejected write naming the pin) is sealed under a key of its own:
+    a backup taken before the forget of the pin holds it nowhere readable, the forget
+    destroys its key and nulls it, and the listing shows it without content."""
+    from workers.ingest import list_dead_letters, record_dead_letters
+
+    dead_secret = "NUMBAT-dead-7718"
+    store = vault_store(db_url, tmp_path)
+    path = tmp_path / "before.jsonl"
+    try:
+        await append(store, story())
+        rejected = write("pin", dead_secret, idem="d1", source=src(at=at(5)),
+                         layer="no-such-layer")
+        assert await record_dead_letters(store, [(rejected, ValueError("bad layer"))]) == 1
+        listed = await list_dead_letters(store, tenant="shop-a")
+        assert listed[0]["event"]["data"]["value"] == dead_secret  # readable with its key
+        async with store.read() as conn:
+            raw = (await conn.execute(select(type_coerce(
+                t.dead_letters.c.payload, LargeBinary)))).scalar_one()
+        assert is_sealed(bytes(raw)) and dead_secret.encode() not in bytes(raw)
+        kid = sealed_key_id(bytes(raw))
+        await backup(store, path)
+        await append(store, FORGETS[:1])
+        assert store.vault is not None and store.vault.keys.fenced([kid]) == {kid}
+        listed = await list_dead_letters(store, tenant="shop-a")
+        assert listed[0]["event"] is None
+        assert (await verify_forgotten(store))["ok"]
+    finally:
+        await store.close()
+    assert not readable_anywhere(path.read_bytes(), dead_secret)
