@@ -18,11 +18,12 @@ words a memory contains, which is why a forget deletes the entry (R20).
 Backends:
 
 - SQLite: FTS5, contentless (`content=''`, FTS5's default `detail=full`), so the index
-  stores only term -> row and position lists; triggers on `lexical_docs` keep it equal to that table, and a
-  batch with a forget merges the index (`optimize`) so the forgotten terms leave its
-  segments (with `secure_delete` on, the freed pages are zeroed). Ranked by FTS5's
-  BM25 (k1 1.2, b 0.75), the principal's scope filtered by a hashed principal term in
-  the match itself and again on the joined row; FTS5's best are taken before the join.
+  stores only term -> row and position lists; triggers on `lexical_docs` keep it equal
+  to that table, and a batch with a forget merges the index (`optimize`) so the
+  forgotten terms leave its segments (with `secure_delete` on, the freed pages are
+  zeroed). Ranked by FTS5's BM25 (k1 1.2, b 0.75), the principal's scope filtered by a
+  hashed principal term in the match itself and again on the joined row; FTS5's best are
+  taken before the join.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
   row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
