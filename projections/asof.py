@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, Final
 
 import numpy as np
 import orjson
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -53,11 +53,11 @@ from projections import reads
 from projections.budget import fit
 from projections.candidates import KEY_NAMED, Candidate
 from projections.embedding import Embedder
+from projections.history import CONTENT, HISTORY, Reach, coordinates, marks_upto
 from projections.memory import (
     WRITE_COLUMNS,
     Mark,
     WriteFact,
-    marks_of,
     resolve_slot,
     write_fact_of_row,
 )
@@ -66,7 +66,7 @@ from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
 from projections.sql import chunks, prefix_match
 from projections.tasks import Note, note_body, summarize
-from projections.vectors import current_embedder, memory_text
+from projections.vectors import current_embedder, from_blobs, memory_text
 
 POSITION_PREFIX: Final = "position:"
 _POSITION = re.compile(r"position:(0|[1-9][0-9]{0,17})")
@@ -89,6 +89,14 @@ class Instant:
     asked: str
     #: The position the memories view (`mem_marks`) had applied in the same snapshot.
     views_at: int = 0
+    #: The position the history view (`mem_history`) had applied in the same snapshot:
+    #: an instant up to it is read from the stored history, a later one replayed.
+    history_at: int = 0
+
+    @property
+    def stored(self) -> bool:
+        """Is the instant's memory read from `mem_history` (rather than replayed)?"""
+        return self.position <= self.history_at
 
     def wire(self) -> dict[str, Any]:
         """What an answer reports of its instant."""
@@ -115,10 +123,12 @@ def _utc_text(us: int) -> str:
 
 async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
     """The instant an `as_of` value names, in `conn`'s snapshot of the ledger (one
-    statement: the position, its time, and how far the memories view has come)."""
+    statement: the position, its time, and how far the memories and history views
+    have come)."""
     check_as_of(as_of)
     ev, cp = t.events.c, t.checkpoints.c
     views_at = select(cp.position).where(cp.name == _MEMORIES).scalar_subquery()
+    history_at = select(cp.position).where(cp.name == HISTORY).scalar_subquery()
     if as_of.startswith(POSITION_PREFIX):
         # The last event at or before N: N itself, or the head when N is past it.
         last = select(ev.position, ev.recorded_at).where(
@@ -126,47 +136,26 @@ async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
             ev.position.desc()).limit(1).subquery()
         row = (await conn.execute(select(
             select(last.c.position).scalar_subquery(),
-            select(last.c.recorded_at).scalar_subquery(), views_at))).one()
+            select(last.c.recorded_at).scalar_subquery(), views_at, history_at))).one()
         at = row[1]
         return Instant(int(row[0] or 0), to_us(parse_rfc3339(at)) if at else 0, as_of,
-                       int(row[2] or 0))
+                       int(row[2] or 0), int(row[3] or 0))
     now_us = to_us(parse_rfc3339(as_of))
     # The longest prefix recorded by then: the first event recorded later ends it.
     row = (await conn.execute(select(
         select(func.min(ev.position)).where(ev.recorded_at > _utc_text(now_us))
         .scalar_subquery(),
-        select(func.max(ev.position)).scalar_subquery(), views_at))).one()
+        select(func.max(ev.position)).scalar_subquery(), views_at, history_at))).one()
     position = int(row[1] or 0) if row[0] is None else int(row[0]) - 1
-    return Instant(position, now_us, as_of, int(row[2] or 0))
+    return Instant(position, now_us, as_of, int(row[2] or 0), int(row[3] or 0))
 
 
 # -- memories ---------------------------------------------------------------------------
 
 async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], instant: Instant,
                  ids_sql: Any = None) -> list[Mark]:
-    """The marks aimed at `ids` set by events at positions up to the instant; `ids_sql`,
-    a SELECT of those ids, saves sending many of them as parameters."""
-    wanted = sorted(set(ids))
-    if not wanted:
-        return []
-    upto, done = instant.position, instant.views_at
-    mk, ev = t.mem_marks.c, t.events.c
-    out: list[Mark] = []
-    parts = [ids_sql] if ids_sql is not None and len(wanted) > _MANY else chunks(wanted)
-    for chunk in parts:
-        q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
-                                      mk.position <= min(upto, done))
-        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
-    if upto > done:  # positions the view has not applied yet: from the ledger itself
-        q = select(*STORED_COLUMNS).where(
-            ev.position > done, ev.position <= upto, ev.tenant == tenant,
-            or_(ev.type.in_(_MARK_TYPES),
-                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
-        keep = set(wanted)
-        for r in (await conn.execute(q)).all():
-            out.extend(m for m in marks_of(stored_from_row(r)) if m.target in keep)
-    return out
+    """The marks aimed at `ids` set by events at positions up to the instant."""
+    return await marks_upto(conn, tenant, ids, instant.position, instant.views_at, ids_sql)
 
 
 #: What `write_fact_of_row` reads as the payload while a slot is resolved: the envelope
@@ -200,44 +189,11 @@ async def fill(conn: AsyncConnection, rows: Sequence[SimpleNamespace]) -> None:
             r.expires_us = to_us(parse_rfc3339(r.expires_at)) if r.expires_at else None
 
 
-#: More ids than this are matched by a subquery rather than sent as parameters.
-_MANY: Final = 400
-
-
-class _Reach:
-    """The tombstones that can reach a slot, found by kind instead of by trying each
-    (a principal's recall resolves every slot it has against every tombstone)."""
-
-    def __init__(self, tombs: Sequence[Tombstone]) -> None:
-        self.by_id: dict[str, list[Tombstone]] = {}
-        self.by_key: dict[tuple[str | None, str | None], list[Tombstone]] = {}
-        self.by_task: dict[str | None, list[Tombstone]] = {}
-        self.prefixes: list[Tombstone] = []
-        for ts in tombs:
-            if ts.kind == "memory_id":
-                self.by_id.setdefault(ts.memory_id or "", []).append(ts)
-            elif ts.kind == "key":
-                self.by_key.setdefault((ts.ns_path, ts.mkey), []).append(ts)
-            elif ts.kind == "task":
-                self.by_task.setdefault(ts.task_key, []).append(ts)
-            else:
-                self.prefixes.append(ts)
-
-    def slot(self, ws: Sequence[WriteFact]) -> list[Tombstone]:
-        """Every tombstone that may cover a write of this slot (the rule then decides)."""
-        w = ws[0]
-        out = [ts for x in ws for ts in self.by_id.get(x.memory_id, ())]
-        out += self.by_key.get((w.ns_path, w.key), [])
-        if w.task_key is not None:
-            out += self.by_task.get(w.task_key, [])
-        out += [ts for ts in self.prefixes if w.ns_path.startswith(ts.ns_path or "\x00")]
-        return out
-
-
-async def _tombstones(conn: AsyncConnection, tenant: str) -> list[Tombstone]:
+async def _tombstones(conn: AsyncConnection, tenant: str, after: int = 0) -> list[Tombstone]:
+    """The tenant's tombstones (those after position `after`)."""
     ts = t.tombstones.c
-    rows = (await conn.execute(select(t.tombstones).where(ts.tenant == tenant)
-                               .order_by(ts.position))).all()
+    rows = (await conn.execute(select(t.tombstones).where(
+        ts.tenant == tenant, ts.position > after).order_by(ts.position))).all()
     return [Tombstone(r.position, r.tenant, r.kind, bytes(r.order_key), r.memory_id,
                       r.ns_path, r.mkey, r.task_key) for r in rows]
 
@@ -263,7 +219,7 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     vias = {m.via_candidate for m in marks if m.via_candidate}
     confirmed = {m.target for m in await _marks(conn, who.tenant, vias, instant)
                  if m.kind == "confirmed"}
-    reach = _Reach(await _tombstones(conn, who.tenant))
+    reach = Reach(await _tombstones(conn, who.tenant))
     by_slot: dict[str, list[WriteFact]] = {}
     for f in facts:
         by_slot.setdefault(f.slot, []).append(f)
@@ -284,6 +240,32 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
                 row.update(dict.fromkeys(REDACTED_FIELDS), text=None, expires_us=None)
             out.append(SimpleNamespace(**row, redacted=hidden))
     return out
+
+
+#: What a stored as-of read selects of `mem_history`: the row less its interval.
+_STORED_COLUMNS: Final = tuple(c for c in t.mem_history.c
+                               if c.name not in ("valid_from", "valid_to"))
+
+
+async def stored_rows(conn: AsyncConnection, who: reads.Principal, instant: Instant,
+                      *conds: Any) -> list[SimpleNamespace]:
+    """The principal's memories that were active at the instant, from the stored
+    history (`instant.stored` must hold), matching `conds` (SQL on `mem_history`): the
+    rows valid at the instant's position, each with `redacted` (content removed by a
+    forget: by one the history has applied, or by a later one checked here)."""
+    mh = t.mem_history.c
+    p = instant.position
+    q = select(*_STORED_COLUMNS).where(
+        mh.tenant == who.tenant, mh.status == "active",
+        prefix_match(mh.ns_path, who.prefix), *_prefix_range(conn, mh.ns_path, who.prefix),
+        mh.valid_from <= p, or_(mh.valid_to.is_(None), mh.valid_to > p), *conds)
+    rows = [SimpleNamespace(**r._mapping) for r in (await conn.execute(q)).all()]
+    # Forgets recorded after the history's checkpoint: not applied to its rows yet.
+    late = await _tombstones(conn, who.tenant, after=instant.history_at) if rows else []
+    for r in rows:
+        if late and not r.redacted and any(covers(ts, coordinates(r)) for ts in late):
+            r.__dict__.update(dict.fromkeys(CONTENT), redacted=True, model=None, vector=None)
+    return rows
 
 
 def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
@@ -317,9 +299,13 @@ async def get(conn: AsyncConnection, who: reads.Principal, namespace: list[str],
         slots.append(slot_id(who.tenant, nsp, key, "task", task))
     if session is not None:
         slots.append(slot_id(who.tenant, nsp, key, "session", session))
-    rows = [r for r in await memory_rows(conn, who, instant, t.events.c.slot.in_(slots))
-            if r.status == "active"]
-    await fill(conn, rows)
+    if instant.stored:
+        rows = await stored_rows(conn, who, instant, t.mem_history.c.slot.in_(slots))
+    else:
+        rows = [r for r in await memory_rows(conn, who, instant,
+                                             t.events.c.slot.in_(slots))
+                if r.status == "active"]
+        await fill(conn, rows)
     rows = [r for r in rows if _live(r, instant.now_us)]
     if not rows:
         return {"found": False}
@@ -352,9 +338,13 @@ async def history(conn: AsyncConnection, who: reads.Principal, namespace: list[s
 async def active_memories(conn: AsyncConnection, who: reads.Principal, *, instant: Instant,
                           task: str | None = None, session: str | None = None
                           ) -> list[SimpleNamespace]:
-    """`reads.active_memories` as of the instant (long-term, the task's, the session's)."""
-    rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
-    await fill(conn, rows)
+    """`reads.active_memories` as of the instant (long-term, the task's, the session's);
+    rows read from the stored history carry their text's embedding (`model`, `vector`)."""
+    if instant.stored:
+        rows = await stored_rows(conn, who, instant)
+    else:
+        rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
+        await fill(conn, rows)
     return [r for r in rows if _live(r, instant.now_us) and (
         r.layer == "long" or (r.layer == "task" and r.task_key == task and task is not None)
         or (r.layer == "session" and session is not None and r.session_id == session))]
@@ -444,11 +434,13 @@ def _relevance(rows: Sequence[SimpleNamespace], query: str | None,
 
 async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
                  session: str | None, task: str | None, budget: int | None, limit: int,
-                 now_us: int) -> dict[str, Any]:
+                 now_us: int, stored: bool = True) -> dict[str, Any]:
     """`projections.recall.recall` as of the instant: the same ranking, overrides,
-    budget and task matching over what the principal's memory held then, scored on
-    demand (no index of the past is kept). The audit record (R25) is written as for
-    every recall, at `now_us`: ids, versions, scores and reasons of what was returned."""
+    budget and task matching over what the principal's memory held then, scored with
+    the embeddings stored with the history's rows (`stored=False`: replayed from the
+    ledger and embedded on demand, as when the history has not reached the instant).
+    The audit record (R25) is written as for every recall, at `now_us`: ids, versions,
+    scores and reasons of what was returned."""
     who = reads.Principal.parse(principal)
     await store.open()
     emb = current_embedder()
@@ -456,10 +448,11 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
     qvec = emb.embed([qtext])[0] if qtext else None
     async with store.read() as conn:
         instant = await resolve(conn, as_of)
+        if not stored:
+            instant = replace(instant, history_at=0)
         rows = await active_memories(conn, who, instant=instant, task=task, session=session)
         open_tasks = await tasks(conn, who, instant=instant)
-    vecs = (emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
-            if qvec is not None and rows else None)
+    vecs = _vectors(emb, rows) if qvec is not None and rows else None
     # `rank` drops long-term memories below `MIN_RELEVANCE` when there is a query.
     items = rank(rows, _relevance(rows, qtext, qvec, vecs), qtext is not None)
     chosen = relevant_tasks(open_tasks, _no_index(emb), emb, qtext, qvec, task)
@@ -471,6 +464,21 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
     audit_id = await write_audit(store, who, qtext, picked, picked_tasks, now_us)
     return {"items": picked, "tasks": picked_tasks, "audit_id": audit_id, "tokens": used,
             "budget": budget, **instant.wire()}
+
+
+def _vectors(emb: Embedder, rows: Sequence[SimpleNamespace]) -> Any:
+    """The rows' text embeddings: stored with the history's rows when made by this
+    embedder; embedded here otherwise (replayed rows, redacted ones: by key alone)."""
+    out = np.zeros((len(rows), emb.dim), dtype=np.float32)
+    todo = [i for i, r in enumerate(rows)
+            if getattr(r, "vector", None) is None or r.model != emb.name]
+    have = [i for i in range(len(rows)) if i not in set(todo)]
+    if have:
+        out[have] = from_blobs([bytes(rows[i].vector) for i in have], emb.dim)
+    if todo:
+        out[todo] = emb.embed([memory_text(rows[i].mkey, rows[i].value, rows[i].text)
+                               for i in todo])
+    return out
 
 
 def _no_index(emb: Embedder) -> PrincipalIndex:
