@@ -94,8 +94,9 @@ events = Table(
     Index("ix_events_task", "tenant", "task_key"),
     Index("ix_events_ns", "tenant", "ns_path", "mkey"),
     # As-of reads turn a time into the last position recorded by then
-    # (`projections.asof`): without it that is a scan of the whole ledger.
-    Index("ix_events_recorded_at", "recorded_at"),
+    # (`projections.asof`): without it that is a scan of the whole ledger. The position
+    # makes it covering: the first position recorded after T is read from the index.
+    Index("ix_events_recorded_at", "recorded_at", "position"),
 )
 
 tombstones = Table(

@@ -6,7 +6,9 @@ with the ledger positions it held for (`valid_from` <= P < `valid_to`), its cont
 derived: the table starts empty and the `history` projection's checkpoint starts at 0,
 so the next `memledger project` (or any worker) fills it from the ledger; until it has
 caught up, as-of reads replay the ledger as before. `memledger replay rebuild
---projection history` fills it at once. No ledger row changes.
+--projection history` fills it at once. No ledger row changes; the index of the
+events' recording times gains the position (an as-of read by time then reads the
+first position recorded after T from the index alone).
 
 Revision ID: 0007_asof_history
 Revises: 0005_lexical
@@ -27,7 +29,8 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Create `mem_history` and its two indexes (by slot; by tenant, status and namespace)."""
+    """Create `mem_history` and its two indexes (by slot; by tenant, status and
+    namespace); add the position to `ix_events_recorded_at`."""
     op.create_table(
         "mem_history",
         sa.Column("tenant", sa.String(128), nullable=False),
@@ -62,8 +65,13 @@ def upgrade() -> None:
     op.create_index("ix_memh_slot", "mem_history", ["slot", "valid_from"])
     op.create_index("ix_memh_scan", "mem_history",
                     ["tenant", "status", "ns_path", "valid_to", "valid_from"])
+    op.drop_index("ix_events_recorded_at", table_name="events")
+    op.create_index("ix_events_recorded_at", "events", ["recorded_at", "position"])
 
 
 def downgrade() -> None:
-    """Drop `mem_history` (as-of reads then replay the ledger on every call)."""
+    """Drop `mem_history` (as-of reads then replay the ledger on every call); the
+    recording-time index goes back to the time alone."""
     op.drop_table("mem_history")
+    op.drop_index("ix_events_recorded_at", table_name="events")
+    op.create_index("ix_events_recorded_at", "events", ["recorded_at"])
