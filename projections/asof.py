@@ -13,12 +13,15 @@ answer after the fact, and two reads of "the same past" a day apart would disagr
 By recording time the past is fixed once recorded. Inside the prefix, which version wins
 is still decided by source order (R17), exactly as the live views decide it.
 
-The answer is computed on demand, per principal, from the ledger: the principal's slots'
-writes up to P, the marks aimed at them, and the tombstones, resolved by the live
-projection's own pure functions (`projections.memory.resolve_slot`,
-`projections.tasks.summarize`) and the one forget rule (`ledger.forgets.covers`). Marks
-come from the memories view's `mem_marks` (complete up to its checkpoint; the positions
-after it are read from the ledger), so no view stores the past.
+How: `get` and `recall` read the stored history (`projections.history`, table
+`mem_history`: each memory version's states with the positions they held for, and the
+embeddings of active rows) when its checkpoint has reached the instant; otherwise, and
+for `history`, `tasks` and the audit, the answer is replayed on demand, per principal,
+from the ledger: the principal's slots' writes up to P, the marks aimed at them, and
+the tombstones, resolved by the live projection's own pure functions
+(`projections.memory.resolve_slot`, `projections.tasks.summarize`) and the one forget
+rule (`ledger.forgets.covers`). Marks come from the memories view's `mem_marks`
+(complete up to its checkpoint; the positions after it are read from the ledger).
 
 Forgotten content stays forgotten in the past: a forget recorded up to P makes its
 items forgotten then, as the live view would have; a forget recorded *after* P does not
