@@ -177,7 +177,8 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
         rep.add("forgotten", **leftover)
     if stats and any(stats.values()):
         notes.append("PostgreSQL keeps dead row versions until VACUUM: run `VACUUM events, "
-                     "mem_versions, task_notes, tasks_view, vectors` to reclaim them")
+                     "mem_versions, task_notes, tasks_view, vectors, lexical_docs, "
+                     "mem_history` to reclaim them")
     out = rep.result(tombstones=len(tombs), register_entries=len(register), checked=checked)
     if stats:
         out["pg_dead_tuples"] = stats

@@ -6,6 +6,7 @@ past (R20, R21); principal scoping as for every read (R24).
 from __future__ import annotations
 
 import asyncio
+import functools
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -228,7 +229,7 @@ async def _append_all(url: str, register: str, events: list[dict[str, Any]]
     kept: list[dict[str, Any]] = []
     async with MemoryLedger(url, register_path=register) as ml:
         for e in events:
-            ml.store.clock = lambda n=len(kept) + 1: _recorded(n)
+            ml.store.clock = functools.partial(_recorded, len(kept) + 1)
             try:
                 res = await ml.append(e)
             except ValidationError:
