@@ -320,6 +320,11 @@ def _stored_point_statement() -> Any:
 
 
 _STORED_POINT = PointQuery(_stored_point_statement())
+#: Does the principal own any task (ever)? None of them: no task summary to replay.
+_OWNS_TASKS = PointQuery(select(t.task_owners.c.task_key).where(
+    t.task_owners.c.tenant == bindparam("tenant"),
+    func.substr(t.task_owners.c.ns_path, 1, func.length(bindparam("prefix")))
+    == bindparam("prefix")).limit(1))
 _STORED_NAMES: Final = tuple(c.name for c in _STORED_COLUMNS)
 
 
@@ -616,11 +621,16 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
         instant = replace(instant, history_at=0)
     # The stored history's rows at the instant, read on the calling thread where it can.
     found = stored_now(store, who, instant) if instant.stored else None
-    async with store.read() as conn:
-        rows = (_in_scope(found, instant, task, session) if found is not None else
-                await active_memories(conn, who, instant=instant, task=task,
-                                      session=session))
-        open_tasks = await tasks(conn, who, instant=instant)
+    if found is not None and point_rows(store, _OWNS_TASKS, {
+            "tenant": who.tenant, "prefix": who.prefix}) == []:
+        # Everything read on the calling thread, and no task to replay.
+        rows, open_tasks = _in_scope(found, instant, task, session), []
+    else:
+        async with store.read() as conn:
+            rows = (_in_scope(found, instant, task, session) if found is not None else
+                    await active_memories(conn, who, instant=instant, task=task,
+                                          session=session))
+            open_tasks = await tasks(conn, who, instant=instant)
     vecs = _vectors(emb, rows) if qvec is not None and rows else None
     cands = _relevance(rows, qtext, qvec, vecs)
     items = rank(_kept(rows, cands) if qtext is not None else rows, cands, qtext is not None)
