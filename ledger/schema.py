@@ -36,7 +36,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0006_embedder_config_cache"
+SCHEMA_REVISION: Final = "0007_asof_history"
 
 metadata = MetaData()
 
@@ -94,8 +94,9 @@ events = Table(
     Index("ix_events_task", "tenant", "task_key"),
     Index("ix_events_ns", "tenant", "ns_path", "mkey"),
     # As-of reads turn a time into the last position recorded by then
-    # (`projections.asof`): without it that is a scan of the whole ledger.
-    Index("ix_events_recorded_at", "recorded_at"),
+    # (`projections.asof`): without it that is a scan of the whole ledger. The position
+    # makes it covering: the first position recorded after T is read from the index.
+    Index("ix_events_recorded_at", "recorded_at", "position"),
 )
 
 tombstones = Table(
@@ -356,6 +357,48 @@ embedding_refs = Table(
     Index("ix_embedding_refs_digest", "digest"),
 )
 
+# Stored history of the memories view (projections/history.py): one row per state a
+# memory version held, valid for ledger positions valid_from <= P < valid_to (NULL: still
+# current). As-of reads (projections/asof.py) read the rows valid at P instead of
+# replaying the ledger. Content a forget covers is removed from every row (`redacted`).
+mem_history = Table(
+    "mem_history",
+    metadata,
+    Column("tenant", String(128), nullable=False),
+    Column("memory_id", String(256), nullable=False),
+    Column("valid_from", BigInteger, nullable=False),
+    Column("valid_to", BigInteger, nullable=True),
+    Column("slot", String(32), nullable=False),
+    Column("ns_path", Text, nullable=False),
+    Column("mkey", String(256), nullable=False),
+    Column("layer", String(8), nullable=False),
+    Column("task_key", String(256), nullable=True),
+    Column("session_id", String(256), nullable=True),
+    Column("position", BigInteger, nullable=False),
+    Column("order_key", LargeBinary, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("status", String(12), nullable=False),
+    Column("candidate", Boolean, nullable=False),
+    Column("value", SealedView, nullable=True),  # sealed like mem_versions.value
+    Column("text", SealedText, nullable=True),
+    Column("scope", String(256), nullable=True),
+    Column("supersedes", String(256), nullable=True),
+    Column("superseded_by", String(256), nullable=True),
+    Column("expires_at", String(64), nullable=True),
+    Column("expires_us", BigInteger, nullable=True),
+    Column("actor", String(256), nullable=False),
+    Column("source", LargeBinary, nullable=False),
+    Column("redacted", Boolean, nullable=False),
+    # The embedding of an active, unredacted row's text (as-of recall scores with it).
+    Column("model", String(64), nullable=True),
+    Column("vector", LargeBinary, nullable=True),
+    PrimaryKeyConstraint("tenant", "memory_id", "valid_from"),
+    Index("ix_memh_slot", "slot", "valid_from"),
+    # A principal's active rows with their interval: recall as of P filters the interval
+    # on the index entries alone.
+    Index("ix_memh_scan", "tenant", "status", "ns_path", "valid_to", "valid_from"),
+)
+
 # The lexical index (projections/lexical.py): one row per active memory with its *set*
 # of terms (sorted, deduplicated, space-separated: no order, no positions, no counts).
 # `docid` is a deterministic 63-bit hash of (tenant, item_id), the full-text row id.
@@ -426,4 +469,5 @@ for _stmt in _PG_LEXICAL_DDL:
     event.listen(lexical_docs, "after_create",
                  DDL(_stmt).execute_if(dialect="postgresql"))  # type: ignore[no-untyped-call]
 
-VIEW_TABLES: Final = (mem_versions, mem_marks, task_notes, tasks_view, vectors, lexical_docs)
+VIEW_TABLES: Final = (mem_versions, mem_marks, task_notes, tasks_view, vectors, lexical_docs,
+                      mem_history)

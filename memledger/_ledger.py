@@ -325,11 +325,9 @@ class Principal:
         `as_of` (an RFC 3339 time or `position:N`) reads it as the ledger held it then
         (docs/projections.md#as-of): content forgotten since comes back `redacted`."""
         if as_of is not None:
-            async with self.ledger.store.read() as conn:
-                instant = await asof.resolve(conn, as_of)
-                then = await asof.get(conn, self._who, self.namespace(namespace), key,
-                                      instant=instant, task=task, session=session)
-            return Memory.from_dict({**then, **instant.wire()}) if then.get("found") else None
+            then = await asof.read_get(self.ledger.store, self._who, self.namespace(namespace),
+                                       key, as_of=as_of, task=task, session=session)
+            return Memory.from_dict(then) if then.get("found") else None
         store = self.ledger.store
         ns, now_us = self.namespace(namespace), _now_us()
         got = reads.get_now(store, self._who, ns, key, now_us=now_us, task=task,

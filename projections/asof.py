@@ -13,12 +13,15 @@ answer after the fact, and two reads of "the same past" a day apart would disagr
 By recording time the past is fixed once recorded. Inside the prefix, which version wins
 is still decided by source order (R17), exactly as the live views decide it.
 
-The answer is computed on demand, per principal, from the ledger: the principal's slots'
-writes up to P, the marks aimed at them, and the tombstones, resolved by the live
-projection's own pure functions (`projections.memory.resolve_slot`,
-`projections.tasks.summarize`) and the one forget rule (`ledger.forgets.covers`). Marks
-come from the memories view's `mem_marks` (complete up to its checkpoint; the positions
-after it are read from the ledger), so no view stores the past.
+How: `get` and `recall` read the stored history (`projections.history`, table
+`mem_history`: each memory version's states with the positions they held for, and the
+embeddings of active rows) when its checkpoint has reached the instant; otherwise, and
+for `history`, `tasks` and the audit, the answer is replayed on demand, per principal,
+from the ledger: the principal's slots' writes up to P, the marks aimed at them, and
+the tombstones, resolved by the live projection's own pure functions
+(`projections.memory.resolve_slot`, `projections.tasks.summarize`) and the one forget
+rule (`ledger.forgets.covers`). Marks come from the memories view's `mem_marks`
+(complete up to its checkpoint; the positions after it are read from the ledger).
 
 Forgotten content stays forgotten in the past: a forget recorded up to P makes its
 items forgotten then, as the live view would have; a forget recorded *after* P does not
@@ -31,42 +34,43 @@ position N). Principal scoping is the same as for every read (R24).
 from __future__ import annotations
 
 import re
+from collections import namedtuple
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, Final
 
 import numpy as np
 import orjson
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, bindparam, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.errors import ValidationError
 from ledger.events import MEMORY_WRITES, encode_json, ns_path, parse_rfc3339, slot_id, to_us
-from ledger.forgets import Coordinates, Tombstone, covers
+from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import stored_from_row
 from ledger.store import Store
 from projections import reads
 from projections.budget import fit
-from projections.candidates import KEY_NAMED, Candidate
+from projections.candidates import KEY_NAMED, MIN_RELEVANCE, Candidate
 from projections.embedding import Embedder
+from projections.history import CONTENT, HISTORY, Reach, coordinates, marks_upto
 from projections.memory import (
     WRITE_COLUMNS,
     Mark,
     WriteFact,
-    marks_of,
     resolve_slot,
     write_fact_of_row,
 )
 from projections.principal_index import PrincipalIndex, norm_key
 from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
-from projections.sql import chunks, prefix_match
+from projections.sql import PointQuery, chunks, point_rows, prefix_match
 from projections.tasks import Note, note_body, summarize
-from projections.vectors import current_embedder, memory_text
+from projections.vectors import current_embedder, from_blobs, memory_text
 
 POSITION_PREFIX: Final = "position:"
 _POSITION = re.compile(r"position:(0|[1-9][0-9]{0,17})")
@@ -89,6 +93,14 @@ class Instant:
     asked: str
     #: The position the memories view (`mem_marks`) had applied in the same snapshot.
     views_at: int = 0
+    #: The position the history view (`mem_history`) had applied in the same snapshot:
+    #: an instant up to it is read from the stored history, a later one replayed.
+    history_at: int = 0
+
+    @property
+    def stored(self) -> bool:
+        """Is the instant's memory read from `mem_history` (rather than replayed)?"""
+        return self.position <= self.history_at
 
     def wire(self) -> dict[str, Any]:
         """What an answer reports of its instant."""
@@ -113,60 +125,74 @@ def _utc_text(us: int) -> str:
         microsecond=us % 1_000_000).isoformat(timespec="microseconds")
 
 
-async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
-    """The instant an `as_of` value names, in `conn`'s snapshot of the ledger (one
-    statement: the position, its time, and how far the memories view has come)."""
-    check_as_of(as_of)
+def _resolve_statement(by_time: bool) -> Any:
+    """The instant in one statement: its position (`:n`, or the time `:at` in
+    `recorded_at`'s form), the position's recording time, and how far the memories
+    and history views have come."""
     ev, cp = t.events.c, t.checkpoints.c
     views_at = select(cp.position).where(cp.name == _MEMORIES).scalar_subquery()
-    if as_of.startswith(POSITION_PREFIX):
+    history_at = select(cp.position).where(cp.name == HISTORY).scalar_subquery()
+    if by_time:
+        # The longest prefix recorded by then: the first event recorded later ends it.
+        # (`position + 0`: SQLite would otherwise walk the primary key for the minimum
+        # instead of reading the recording-time index's range, which holds the position.)
+        later = select(func.min(ev.position + 0)).where(
+            ev.recorded_at > bindparam("at")).scalar_subquery()
+        p = func.coalesce(later - 1, select(func.max(ev.position)).scalar_subquery(), 0)
+    else:
         # The last event at or before N: N itself, or the head when N is past it.
-        last = select(ev.position, ev.recorded_at).where(
-            ev.position <= int(as_of[len(POSITION_PREFIX):])).order_by(
-            ev.position.desc()).limit(1).subquery()
-        row = (await conn.execute(select(
-            select(last.c.position).scalar_subquery(),
-            select(last.c.recorded_at).scalar_subquery(), views_at))).one()
-        at = row[1]
-        return Instant(int(row[0] or 0), to_us(parse_rfc3339(at)) if at else 0, as_of,
-                       int(row[2] or 0))
-    now_us = to_us(parse_rfc3339(as_of))
-    # The longest prefix recorded by then: the first event recorded later ends it.
-    row = (await conn.execute(select(
-        select(func.min(ev.position)).where(ev.recorded_at > _utc_text(now_us))
-        .scalar_subquery(),
-        select(func.max(ev.position)).scalar_subquery(), views_at))).one()
-    position = int(row[1] or 0) if row[0] is None else int(row[0]) - 1
-    return Instant(position, now_us, as_of, int(row[2] or 0))
+        p = func.coalesce(select(func.max(ev.position)).where(
+            ev.position <= bindparam("n")).scalar_subquery(), 0)
+    inst = select(p.label("p")).subquery("inst")
+    recorded = select(ev.recorded_at).where(ev.position == inst.c.p).scalar_subquery()
+    return select(inst.c.p, recorded, views_at, history_at).select_from(inst)
+
+
+_RESOLVE = {by_time: PointQuery(_resolve_statement(by_time)) for by_time in (False, True)}
+
+
+def _resolve_values(as_of: str) -> dict[str, Any]:
+    check_as_of(as_of)
+    if as_of.startswith(POSITION_PREFIX):
+        return {"n": int(as_of[len(POSITION_PREFIX):]), "at": None}
+    return {"n": None, "at": _utc_text(to_us(parse_rfc3339(as_of)))}
+
+
+def _instant(as_of: str, row: Sequence[Any]) -> Instant:
+    at = row[1]
+    if as_of.startswith(POSITION_PREFIX):
+        now_us = to_us(parse_rfc3339(at)) if at else 0
+    else:
+        now_us = to_us(parse_rfc3339(as_of))  # expiry is judged at T itself
+    return Instant(int(row[0] or 0), now_us, as_of, int(row[2] or 0), int(row[3] or 0))
+
+
+async def resolve(conn: AsyncConnection, as_of: str) -> Instant:
+    """The instant an `as_of` value names, in `conn`'s snapshot of the ledger (one
+    statement: the position, its time, and how far the memories and history views
+    have come)."""
+    values = _resolve_values(as_of)
+    q = _RESOLVE[not as_of.startswith(POSITION_PREFIX)]
+    return _instant(as_of, (await conn.execute(q.stmt, values)).one())
+
+
+async def resolve_now(store: Store, as_of: str) -> Instant:
+    """`resolve` in a statement of its own: on a SQLite file on the calling thread."""
+    values = _resolve_values(as_of)
+    q = _RESOLVE[not as_of.startswith(POSITION_PREFIX)]
+    rows = point_rows(store, q, values)
+    if rows is None:
+        async with store.read_once() as conn:
+            return await resolve(conn, as_of)
+    return _instant(as_of, rows[0])
 
 
 # -- memories ---------------------------------------------------------------------------
 
 async def _marks(conn: AsyncConnection, tenant: str, ids: Iterable[str], instant: Instant,
                  ids_sql: Any = None) -> list[Mark]:
-    """The marks aimed at `ids` set by events at positions up to the instant; `ids_sql`,
-    a SELECT of those ids, saves sending many of them as parameters."""
-    wanted = sorted(set(ids))
-    if not wanted:
-        return []
-    upto, done = instant.position, instant.views_at
-    mk, ev = t.mem_marks.c, t.events.c
-    out: list[Mark] = []
-    parts = [ids_sql] if ids_sql is not None and len(wanted) > _MANY else chunks(wanted)
-    for chunk in parts:
-        q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
-                                      mk.position <= min(upto, done))
-        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
-    if upto > done:  # positions the view has not applied yet: from the ledger itself
-        q = select(*STORED_COLUMNS).where(
-            ev.position > done, ev.position <= upto, ev.tenant == tenant,
-            or_(ev.type.in_(_MARK_TYPES),
-                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
-        keep = set(wanted)
-        for r in (await conn.execute(q)).all():
-            out.extend(m for m in marks_of(stored_from_row(r)) if m.target in keep)
-    return out
+    """The marks aimed at `ids` set by events at positions up to the instant."""
+    return await marks_upto(conn, tenant, ids, instant.position, instant.views_at, ids_sql)
 
 
 #: What `write_fact_of_row` reads as the payload while a slot is resolved: the envelope
@@ -200,44 +226,11 @@ async def fill(conn: AsyncConnection, rows: Sequence[SimpleNamespace]) -> None:
             r.expires_us = to_us(parse_rfc3339(r.expires_at)) if r.expires_at else None
 
 
-#: More ids than this are matched by a subquery rather than sent as parameters.
-_MANY: Final = 400
-
-
-class _Reach:
-    """The tombstones that can reach a slot, found by kind instead of by trying each
-    (a principal's recall resolves every slot it has against every tombstone)."""
-
-    def __init__(self, tombs: Sequence[Tombstone]) -> None:
-        self.by_id: dict[str, list[Tombstone]] = {}
-        self.by_key: dict[tuple[str | None, str | None], list[Tombstone]] = {}
-        self.by_task: dict[str | None, list[Tombstone]] = {}
-        self.prefixes: list[Tombstone] = []
-        for ts in tombs:
-            if ts.kind == "memory_id":
-                self.by_id.setdefault(ts.memory_id or "", []).append(ts)
-            elif ts.kind == "key":
-                self.by_key.setdefault((ts.ns_path, ts.mkey), []).append(ts)
-            elif ts.kind == "task":
-                self.by_task.setdefault(ts.task_key, []).append(ts)
-            else:
-                self.prefixes.append(ts)
-
-    def slot(self, ws: Sequence[WriteFact]) -> list[Tombstone]:
-        """Every tombstone that may cover a write of this slot (the rule then decides)."""
-        w = ws[0]
-        out = [ts for x in ws for ts in self.by_id.get(x.memory_id, ())]
-        out += self.by_key.get((w.ns_path, w.key), [])
-        if w.task_key is not None:
-            out += self.by_task.get(w.task_key, [])
-        out += [ts for ts in self.prefixes if w.ns_path.startswith(ts.ns_path or "\x00")]
-        return out
-
-
-async def _tombstones(conn: AsyncConnection, tenant: str) -> list[Tombstone]:
+async def _tombstones(conn: AsyncConnection, tenant: str, after: int = 0) -> list[Tombstone]:
+    """The tenant's tombstones (those after position `after`)."""
     ts = t.tombstones.c
-    rows = (await conn.execute(select(t.tombstones).where(ts.tenant == tenant)
-                               .order_by(ts.position))).all()
+    rows = (await conn.execute(select(t.tombstones).where(
+        ts.tenant == tenant, ts.position > after).order_by(ts.position))).all()
     return [Tombstone(r.position, r.tenant, r.kind, bytes(r.order_key), r.memory_id,
                       r.ns_path, r.mkey, r.task_key) for r in rows]
 
@@ -263,7 +256,7 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     vias = {m.via_candidate for m in marks if m.via_candidate}
     confirmed = {m.target for m in await _marks(conn, who.tenant, vias, instant)
                  if m.kind == "confirmed"}
-    reach = _Reach(await _tombstones(conn, who.tenant))
+    reach = Reach(await _tombstones(conn, who.tenant))
     by_slot: dict[str, list[WriteFact]] = {}
     for f in facts:
         by_slot.setdefault(f.slot, []).append(f)
@@ -286,6 +279,73 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     return out
 
 
+#: What a stored as-of read selects of `mem_history`: the row less its interval.
+_STORED_COLUMNS: Final = tuple(c for c in t.mem_history.c
+                               if c.name not in ("valid_from", "valid_to"))
+
+
+async def stored_rows(conn: AsyncConnection, who: reads.Principal, instant: Instant,
+                      *conds: Any) -> list[SimpleNamespace]:
+    """The principal's memories that were active at the instant, from the stored
+    history (`instant.stored` must hold), matching `conds` (SQL on `mem_history`): the
+    rows valid at the instant's position, each with `redacted` (content removed by a
+    forget: by one the history has applied, or by a later one checked here)."""
+    mh = t.mem_history.c
+    p = instant.position
+    q = select(*_STORED_COLUMNS).where(
+        mh.tenant == who.tenant, mh.status == "active",
+        prefix_match(mh.ns_path, who.prefix), *_prefix_range(conn, mh.ns_path, who.prefix),
+        mh.valid_from <= p, or_(mh.valid_to.is_(None), mh.valid_to > p), *conds)
+    rows = [SimpleNamespace(**r._mapping) for r in (await conn.execute(q)).all()]
+    # Forgets recorded after the history's checkpoint: not applied to its rows yet.
+    late = await _tombstones(conn, who.tenant, after=instant.history_at) if rows else []
+    for r in rows:
+        if late and not r.redacted and any(covers(ts, coordinates(r)) for ts in late):
+            r.__dict__.update(dict.fromkeys(CONTENT), redacted=True, model=None, vector=None)
+    return rows
+
+
+def _stored_point_statement() -> Any:
+    """`stored_rows` for point reads on SQLite (`stored_now`): bound prefix and range,
+    and whether a forget after the history's checkpoint (`:h`) covers each row."""
+    mh, ts = t.mem_history.c, t.tombstones.c
+    prefix: Any = bindparam("prefix")
+    p: Any = bindparam("p")
+    late = exists().where(ts.position > bindparam("h"), covers_sql(t.tombstones.c, mh))
+    return select(*_STORED_COLUMNS, late).where(
+        mh.tenant == bindparam("tenant"), mh.status == "active",
+        func.substr(mh.ns_path, 1, func.length(prefix)) == prefix,
+        mh.ns_path >= prefix, mh.ns_path < bindparam("prefix_end"),
+        mh.valid_from <= p, or_(mh.valid_to.is_(None), mh.valid_to > p))
+
+
+_STORED_POINT = PointQuery(_stored_point_statement())
+#: Does the principal own any task (ever)? None of them: no task summary to replay.
+_OWNS_TASKS = PointQuery(select(t.task_owners.c.task_key).where(
+    t.task_owners.c.tenant == bindparam("tenant"),
+    func.substr(t.task_owners.c.ns_path, 1, func.length(bindparam("prefix")))
+    == bindparam("prefix")).limit(1))
+_STORED_NAMES: Final = tuple(c.name for c in _STORED_COLUMNS)
+
+
+def stored_now(store: Store, who: reads.Principal, instant: Instant
+               ) -> list[SimpleNamespace] | None:
+    """`stored_rows` (no further conditions) read on the calling thread; None where
+    point reads cannot run (the caller then awaits `stored_rows`)."""
+    raw = point_rows(store, _STORED_POINT, {
+        "tenant": who.tenant, "prefix": who.prefix, "prefix_end": who.prefix[:-1] + "\x20",
+        "p": instant.position, "h": instant.history_at})
+    if raw is None:
+        return None
+    rows = []
+    for r in raw:
+        row = SimpleNamespace(**dict(zip(_STORED_NAMES, r, strict=False)))
+        if r[-1] and not row.redacted:
+            row.__dict__.update(dict.fromkeys(CONTENT), redacted=True, model=None, vector=None)
+        rows.append(row)
+    return rows
+
+
 def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
     """`projections.sql.prefix_range` for a connection: on SQLite (bytewise TEXT) a
     range an index on `(tenant, ns_path, ...)` serves; nothing elsewhere."""
@@ -305,6 +365,87 @@ def _item(r: SimpleNamespace) -> dict[str, Any]:
     return item
 
 
+def _get_statement(by_time: bool) -> Any:
+    """An as-of get in one statement: the instant's position (as `resolve` finds it),
+    its recording time and the history's checkpoint, outer-joined with the rows of up
+    to three slots that were active then, each with whether a forget the history has
+    not applied yet covers it. Always at least one row (the instant's)."""
+    ev, cp, mh, ts = t.events.c, t.checkpoints.c, t.mem_history.c, t.tombstones.c
+    if by_time:
+        later = select(func.min(ev.position + 0)).where(
+            ev.recorded_at > bindparam("at")).scalar_subquery()
+        p = func.coalesce(later - 1, select(func.max(ev.position)).scalar_subquery(), 0)
+    else:
+        p = func.coalesce(select(func.max(ev.position)).where(
+            ev.position <= bindparam("n")).scalar_subquery(), 0)
+    h = func.coalesce(select(cp.position).where(cp.name == HISTORY).scalar_subquery(), 0)
+    inst = select(p.label("p"), h.label("h")).subquery("inst")
+    late = exists().where(ts.position > inst.c.h, covers_sql(t.tombstones.c, mh))
+    # By slot and interval only, so the slot index serves it (with the tenant and the
+    # status here SQLite would walk the tenant's active rows); both are checked after.
+    on = and_(mh.slot.in_([bindparam("s1"), bindparam("s2"), bindparam("s3")]),
+              mh.valid_from <= inst.c.p, or_(mh.valid_to.is_(None), mh.valid_to > inst.c.p))
+    recorded = select(ev.recorded_at).where(ev.position == inst.c.p).scalar_subquery()
+    return select(inst.c.p, inst.c.h, recorded, late, *_STORED_COLUMNS).select_from(
+        inst.outerjoin(t.mem_history, on))
+
+
+_GET_AT_TIME = PointQuery(_get_statement(True))
+_GET_AT_POSITION = PointQuery(_get_statement(False))
+#: A `mem_history` row of `_get_statement` (after its four leading columns).
+_HistRow = namedtuple("_HistRow", [c.name for c in _STORED_COLUMNS])  # type: ignore[misc]
+
+
+async def read_get(store: Store, who: reads.Principal, namespace: list[str], key: str, *,
+                   as_of: str, task: str | None = None, session: str | None = None
+                   ) -> dict[str, Any]:
+    """`get` as of `as_of` with the instant in the answer (`as_of`, `position`): one
+    statement over the stored history (on a SQLite file, run on the calling thread),
+    or, when the history has not reached the instant, a replay (`get`)."""
+    check_as_of(as_of)
+    if not who.owns(namespace):
+        return {"found": False}
+    nsp = ns_path(namespace)
+    slots = [slot_id(who.tenant, nsp, key, "long", ""),
+             slot_id(who.tenant, nsp, key, "task", task) if task is not None else None,
+             slot_id(who.tenant, nsp, key, "session", session) if session is not None
+             else None]
+    by_position = as_of.startswith(POSITION_PREFIX)
+    q = _GET_AT_POSITION if by_position else _GET_AT_TIME
+    values = {"s1": slots[0], "s2": slots[1], "s3": slots[2],
+              "n": int(as_of[len(POSITION_PREFIX):]) if by_position else None,
+              "at": None if by_position else _utc_text(to_us(parse_rfc3339(as_of)))}
+    await store.open()
+    raw = point_rows(store, q, values)
+    if raw is None:
+        async with store.read_once() as conn:
+            raw = [tuple(r) for r in (await conn.execute(q.stmt, values)).all()]
+    position, history_at, recorded = int(raw[0][0]), int(raw[0][1]), raw[0][2]
+    if position > history_at:  # the history has not reached the instant: replay
+        async with store.read() as conn:
+            instant = await resolve(conn, as_of)
+            then = await get(conn, who, namespace, key, instant=instant, task=task,
+                             session=session)
+        return {**then, **instant.wire()} if then.get("found") else then
+    now_us = (to_us(parse_rfc3339(recorded)) if recorded else 0) if by_position else \
+        to_us(parse_rfc3339(as_of))
+    rows = []
+    for r in raw:
+        if r[4] is None:
+            continue  # the instant's row alone: no slot was active then
+        row = SimpleNamespace(**_HistRow._make(r[4:])._asdict())
+        if row.status != "active" or row.tenant != who.tenant:
+            continue
+        if r[3] and not row.redacted:
+            row.__dict__.update(dict.fromkeys(CONTENT), redacted=True)
+        if _live(row, now_us):
+            rows.append(row)
+    if not rows:
+        return {"found": False}
+    best = min(rows, key=lambda r: reads.LAYER_RANK[r.layer])
+    return {"found": True, **_item(best), "as_of": as_of, "position": position}
+
+
 async def get(conn: AsyncConnection, who: reads.Principal, namespace: list[str], key: str, *,
               instant: Instant, task: str | None = None, session: str | None = None
               ) -> dict[str, Any]:
@@ -317,9 +458,13 @@ async def get(conn: AsyncConnection, who: reads.Principal, namespace: list[str],
         slots.append(slot_id(who.tenant, nsp, key, "task", task))
     if session is not None:
         slots.append(slot_id(who.tenant, nsp, key, "session", session))
-    rows = [r for r in await memory_rows(conn, who, instant, t.events.c.slot.in_(slots))
-            if r.status == "active"]
-    await fill(conn, rows)
+    if instant.stored:
+        rows = await stored_rows(conn, who, instant, t.mem_history.c.slot.in_(slots))
+    else:
+        rows = [r for r in await memory_rows(conn, who, instant,
+                                             t.events.c.slot.in_(slots))
+                if r.status == "active"]
+        await fill(conn, rows)
     rows = [r for r in rows if _live(r, instant.now_us)]
     if not rows:
         return {"found": False}
@@ -352,9 +497,20 @@ async def history(conn: AsyncConnection, who: reads.Principal, namespace: list[s
 async def active_memories(conn: AsyncConnection, who: reads.Principal, *, instant: Instant,
                           task: str | None = None, session: str | None = None
                           ) -> list[SimpleNamespace]:
-    """`reads.active_memories` as of the instant (long-term, the task's, the session's)."""
-    rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
-    await fill(conn, rows)
+    """`reads.active_memories` as of the instant (long-term, the task's, the session's);
+    rows read from the stored history carry their text's embedding (`model`, `vector`)."""
+    if instant.stored:
+        rows = await stored_rows(conn, who, instant)
+    else:
+        rows = [r for r in await memory_rows(conn, who, instant) if r.status == "active"]
+        await fill(conn, rows)
+    return _in_scope(rows, instant, task, session)
+
+
+def _in_scope(rows: Iterable[SimpleNamespace], instant: Instant, task: str | None,
+              session: str | None) -> list[SimpleNamespace]:
+    """The rows live at the instant in recall's layers: long-term, the task's, the
+    session's."""
     return [r for r in rows if _live(r, instant.now_us) and (
         r.layer == "long" or (r.layer == "task" and r.task_key == task and task is not None)
         or (r.layer == "session" and session is not None and r.session_id == session))]
@@ -368,10 +524,12 @@ async def tasks(conn: AsyncConnection, who: reads.Principal, *, instant: Instant
     summarised from its notes recorded by then. Notes covered by a later forget are
     withheld (`"redacted": true` on the summary); a task covered as a whole by a later
     forget shows only its key and status."""
-    ev = t.events.c
-    owned = select(ev.task_key).where(
-        ev.tenant == who.tenant, ev.type == "task.opened", ev.position <= instant.position,
-        prefix_match(ev.ns_path, who.prefix))
+    ev, to = t.events.c, t.task_owners.c
+    # The principal's tasks by their owner (the ledger's `task_owners`, a few rows per
+    # principal, not the principal's whole history); those not opened by the instant
+    # have no `task.opened` among the events read, and are left out below.
+    owned = select(to.task_key).where(to.tenant == who.tenant,
+                                      prefix_match(to.ns_path, who.prefix))
     q = select(*STORED_COLUMNS).where(
         ev.tenant == who.tenant, ev.position <= instant.position,
         ev.type.in_(("task.opened", "task.noted", "task.closed", "task.purged")),
@@ -386,7 +544,9 @@ async def tasks(conn: AsyncConnection, who: reads.Principal, *, instant: Instant
     out: list[dict[str, Any]] = []
     for task_key in sorted(by_task):
         events = by_task[task_key]
-        owner = next(se.ns_path for se in events if se.type == "task.opened")
+        owner = next((se.ns_path for se in events if se.type == "task.opened"), None)
+        if owner is None:
+            continue  # not opened by the instant
         withheld = 0
         notes: list[Note] = []
         for se in events:
@@ -444,24 +604,36 @@ def _relevance(rows: Sequence[SimpleNamespace], query: str | None,
 
 async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
                  session: str | None, task: str | None, budget: int | None, limit: int,
-                 now_us: int) -> dict[str, Any]:
+                 now_us: int, stored: bool = True) -> dict[str, Any]:
     """`projections.recall.recall` as of the instant: the same ranking, overrides,
-    budget and task matching over what the principal's memory held then, scored on
-    demand (no index of the past is kept). The audit record (R25) is written as for
-    every recall, at `now_us`: ids, versions, scores and reasons of what was returned."""
+    budget and task matching over what the principal's memory held then, scored with
+    the embeddings stored with the history's rows (`stored=False`: replayed from the
+    ledger and embedded on demand, as when the history has not reached the instant).
+    The audit record (R25) is written as for every recall, at `now_us`: ids, versions,
+    scores and reasons of what was returned."""
     who = reads.Principal.parse(principal)
     await store.open()
     emb = current_embedder()
     qtext = (query or "").strip() or None
     qvec = emb.embed([qtext])[0] if qtext else None
-    async with store.read() as conn:
-        instant = await resolve(conn, as_of)
-        rows = await active_memories(conn, who, instant=instant, task=task, session=session)
-        open_tasks = await tasks(conn, who, instant=instant)
-    vecs = (emb.embed([memory_text(r.mkey, r.value, r.text) for r in rows])
-            if qvec is not None and rows else None)
-    # `rank` drops long-term memories below `MIN_RELEVANCE` when there is a query.
-    items = rank(rows, _relevance(rows, qtext, qvec, vecs), qtext is not None)
+    instant = await resolve_now(store, as_of)
+    if not stored:
+        instant = replace(instant, history_at=0)
+    # The stored history's rows at the instant, read on the calling thread where it can.
+    found = stored_now(store, who, instant) if instant.stored else None
+    if found is not None and point_rows(store, _OWNS_TASKS, {
+            "tenant": who.tenant, "prefix": who.prefix}) == []:
+        # Everything read on the calling thread, and no task to replay.
+        rows, open_tasks = _in_scope(found, instant, task, session), []
+    else:
+        async with store.read() as conn:
+            rows = (_in_scope(found, instant, task, session) if found is not None else
+                    await active_memories(conn, who, instant=instant, task=task,
+                                          session=session))
+            open_tasks = await tasks(conn, who, instant=instant)
+    vecs = _vectors(emb, rows) if qvec is not None and rows else None
+    cands = _relevance(rows, qtext, qvec, vecs)
+    items = rank(_kept(rows, cands) if qtext is not None else rows, cands, qtext is not None)
     chosen = relevant_tasks(open_tasks, _no_index(emb), emb, qtext, qvec, task)
     picked_tasks, picked, used = fit(chosen, items, budget, limit)
     redacted = {r.memory_id for r in rows if r.redacted}
@@ -471,6 +643,34 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
     audit_id = await write_audit(store, who, qtext, picked, picked_tasks, now_us)
     return {"items": picked, "tasks": picked_tasks, "audit_id": audit_id, "tokens": used,
             "budget": budget, **instant.wire()}
+
+
+def _kept(rows: Sequence[SimpleNamespace], cands: dict[str, Candidate]
+          ) -> list[SimpleNamespace]:
+    """The rows of the keys `rank` keeps when there is a query: it drops a key whose
+    rows are all long-term and below `MIN_RELEVANCE` (so ranking the rest alone gives
+    the same result, without the cost of the many a long history leaves behind)."""
+    keep: set[tuple[str, str]] = set()
+    for r in rows:
+        if r.layer != "long" or cands[r.memory_id].relevance >= MIN_RELEVANCE:
+            keep.add((r.ns_path, r.mkey))
+    return [r for r in rows if (r.ns_path, r.mkey) in keep]
+
+
+def _vectors(emb: Embedder, rows: Sequence[SimpleNamespace]) -> Any:
+    """The rows' text embeddings: stored with the history's rows when made by this
+    embedder; embedded here otherwise (replayed rows, redacted ones: by key alone)."""
+    out = np.zeros((len(rows), emb.dim), dtype=np.float32)
+    todo = [i for i, r in enumerate(rows)
+            if getattr(r, "vector", None) is None or r.model != emb.name]
+    skip = set(todo)
+    have = [i for i in range(len(rows)) if i not in skip]
+    if have:
+        out[have] = from_blobs([bytes(rows[i].vector) for i in have], emb.dim)
+    if todo:
+        out[todo] = emb.embed([memory_text(rows[i].mkey, rows[i].value, rows[i].text)
+                               for i in todo])
+    return out
 
 
 def _no_index(emb: Embedder) -> PrincipalIndex:

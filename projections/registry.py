@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from projections.erasure import ErasureProjection
+from projections.history import HistoryProjection
 from projections.lexical import LexicalProjection
 from projections.protocol import Projection
 from projections.vectors import VectorProjection
@@ -12,7 +13,8 @@ from projections.views import MemoryProjection, TaskProjection
 def default_projections() -> list[Projection]:
     """Every projection, each after the projections whose views it reads."""
     projs: list[Projection] = [MemoryProjection(), TaskProjection(), ErasureProjection(),
-                               VectorProjection(), LexicalProjection()]
+                               VectorProjection(), LexicalProjection(),
+                               HistoryProjection()]
     seen: set[str] = set()
     for p in projs:
         missing = set(p.depends_on) - seen

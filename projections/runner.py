@@ -46,6 +46,9 @@ log = structlog.get_logger("memledger.projections")
 
 #: `meta` row of a bulk load in progress: `<projection name>` + this (`projections.bulk`).
 BULK_SUFFIX: Final = ".bulk"
+#: Projections whose batches with forgets overwrite content (the ledger's payloads; the
+#: stored history's rows): old copies are reclaimed after such a batch commits.
+ERASING: Final = ("erasure", "history")
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"
@@ -280,7 +283,7 @@ class Runner:
         log.debug("projection_batch", projection=proj.name, after=after, position=position,
                   events=len(batch), ms=round((time.perf_counter() - started) * 1000, 1),
                   **({} if moved is None else {"shards": {str(k): p for k, p in moved.items()}}))
-        if proj.name == "erasure" and any(se.type in FORGETS for se in batch):
+        if proj.name in ERASING and any(se.type in FORGETS for se in batch):
             self._reclaim = True
 
     async def _bulk_step(self, proj: BulkLoadable, conn: AsyncConnection,

@@ -77,6 +77,42 @@ async def test_erased_from_views_and_ledger_payloads(store: Store) -> None:
     assert vec == []
 
 
+async def test_erased_from_the_stored_past(store: Store) -> None:
+    """The history of as-of reads (`mem_history`) held the value while it was active;
+    once a forget is projected no interval of it keeps its value, text, scope, expiry
+    or embedding, and `replay verify --forgotten` checks exactly that (R20)."""
+    from sqlalchemy import update
+
+    from replay.verify.forgotten import verify_forgotten
+
+    await store.append_one(parse_event(write("lang", "ZEBRA-zh", source=src(at=at(1)),
+                                             expires_at="2027-01-01T00:00:00Z")))
+    await store.append_one(parse_event(write("lang", "ZEBRA-en", source=src(at=at(2)))))
+    await Runner(store).catch_up()
+    mh = t.mem_history.c
+    async with store.read() as conn:
+        before = (await conn.execute(select(t.mem_history).order_by(
+            mh.valid_from, mh.status.desc()))).all()
+    # The first version: active from its write, superseded from the second's; both held.
+    assert [(r.status, r.value is not None, r.vector is not None) for r in before] == [
+        ("active", True, True), ("superseded", True, False), ("active", True, True)]
+    await store.append_one(parse_event(forget(3, namespace=NS, key="lang")))
+    await Runner(store).catch_up()
+    async with store.read() as conn:
+        after = (await conn.execute(select(t.mem_history))).all()
+    assert after and all(r.redacted for r in after)
+    assert all((r.value, r.text, r.scope, r.expires_at, r.expires_us, r.vector) ==
+               (None,) * 6 for r in after)
+    assert (await verify_forgotten(store))["ok"] is True
+    # A copy put back by hand is found.
+    async with store.view_write() as conn:
+        await conn.execute(update(t.mem_history).where(mh.valid_from == before[0].valid_from)
+                           .values(text="ZEBRA-zh", redacted=False))
+    report = await verify_forgotten(store)
+    assert report["ok"] is False
+    assert {p["place"] for p in report["problems"]} == {"mem_history"}
+
+
 def sqlite_files(url: str) -> bytes:
     """The bytes of a SQLite ledger's files: database, WAL and shared memory."""
     db = Path(url.split(":///", 1)[1])
@@ -98,7 +134,7 @@ async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str)
         await Runner(store).catch_up()
     finally:
         await store.close()
-    assert b"QUOKKA" not in sqlite_files(sqlite_url)
+    assert b"QUOKKA" not in sqlite_files(sqlite_url)  # mem_history's intervals too
     assert b"quokka" not in sqlite_files(sqlite_url)  # lexical terms are casefolded
     assert b"QUOKKA" not in Path(register_path).read_bytes()  # noqa: ASYNC240
 

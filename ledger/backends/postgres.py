@@ -61,7 +61,7 @@ IDLE_IN_TRANSACTION_MS: Final = 60000
 LOCK_TIMEOUT: Final = "30s"
 #: The tables that hold (or held) content an erasure removes.
 CONTENT_TABLES: Final = ("events", "mem_versions", "task_notes", "tasks_view", "vectors",
-                         "lexical_docs", "dead_letters")
+                         "lexical_docs", "dead_letters", "mem_history")
 #: SQLSTATEs that mean "this role may not run amcheck here", not "the data is damaged".
 _NOT_PERMITTED: Final = ("42501", "0A000", "58P01", "42883")
 #: A table's statistics are refreshed once it has gained this many rows, and at least

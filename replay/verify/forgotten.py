@@ -32,9 +32,19 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
     covered_ids: set[tuple[str, str]] = set()
     purged_tasks: set[tuple[str, str]] = set()
     checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0,
-               "lexical_docs": 0, "embedding_refs": 0}
+               "lexical_docs": 0, "embedding_refs": 0, "mem_history": 0}
     er = t.embedding_refs.c
+    mh = t.mem_history.c
     for ts in tombs:
+        # The stored past (as-of reads): every interval of a covered version, cleared.
+        for r in (await conn.execute(select(t.mem_history).where(covers_sql(ts, mh)))).all():
+            checked["mem_history"] += 1
+            held = [c for c in ("value", "text", "scope", "expires_at", "session_id",
+                                "vector") if getattr(r, c) is not None]
+            if held or not r.redacted:
+                rep.add("forgotten", place="mem_history", tombstone=ts.position,
+                        tenant=r.tenant, memory_id=r.memory_id, valid_from=r.valid_from,
+                        columns=held)
         q = select(t.mem_versions).where(covers_sql(ts, mv))
         for r in (await conn.execute(q)).all():
             checked["mem_versions"] += 1
@@ -180,7 +190,8 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
         rep.add("forgotten", **leftover)
     if stats and any(stats.values()):
         notes.append("PostgreSQL keeps dead row versions until VACUUM: run `VACUUM events, "
-                     "mem_versions, task_notes, tasks_view, vectors` to reclaim them")
+                     "mem_versions, task_notes, tasks_view, vectors, lexical_docs, "
+                     "mem_history` to reclaim them")
     out = rep.result(tombstones=len(tombs), register_entries=len(register), checked=checked)
     if stats:
         out["pg_dead_tuples"] = stats

@@ -27,7 +27,7 @@ from replay.verify.report import Report
 VOLATILE: Final[dict[str, frozenset[str]]] = {}
 #: Float columns stored as bytes: equal within rounding (numpy may sum in another order
 #: when it embeds a different batch of texts).
-FLOAT_BLOBS: Final = {("vectors", "vector")}
+FLOAT_BLOBS: Final = {("vectors", "vector"), ("mem_history", "vector")}
 
 
 async def _copy_ledger(conn: AsyncConnection, store: Store, scratch: Store) -> None:

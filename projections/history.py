@@ -1,0 +1,341 @@
+"""The history projection: every state each memory version held, with the ledger
+positions it held for (`mem_history`), so an as-of read is a lookup, not a replay.
+
+A row of `mem_history` is a `mem_versions` row as the memories view would have held it
+with the ledger holding exactly the events at positions 1..P, for every P with
+`valid_from` <= P < `valid_to` (`valid_to` NULL: still so). Intervals are exact to the
+position, not to the batch: for every slot a batch reaches, the slot is resolved again
+after *each* of the batch's events that can change it (a write into it, a mark aimed at
+one of its memories or confirming a candidate whose `supersedes` aims into it, a forget
+that reaches it), by the live projection's own pure function
+(`projections.memory.resolve_slot`) over the facts recorded up to that position. A
+memory whose state changed gets its open row closed at that position and a new one
+opened. So the table does not depend on batching, shards or redelivery, and `replay
+verify` compares it with a fresh replay like every other view.
+
+Facts: the writes of the slot from the ledger, with `suppressed` as the event's own flag
+(an erased payload is content removed since, not a suppression then); the marks from the
+memories view's `mem_marks` up to its checkpoint and from the ledger after it (so this
+view is right whether or not the memories view has caught up); the tombstones.
+
+Forgotten content stays forgotten in the past: a row whose write a forget covers, in any
+interval, holds no value, text, scope, expiry, session or vector (`redacted`): rows
+written after the forget are written so, rows written before it are cleared when the
+forget is applied. Active, unredacted rows carry the embedding of their text
+(`projections.vectors.current_embedder`, model name beside it), computed once per memory,
+so an as-of recall scores without embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from sqlalchemy import and_, bindparam, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger import schema as t
+from ledger.events import MEMORY_WRITES
+from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
+from ledger.recorder import STORED_COLUMNS, pairs_in
+from ledger.records import StoredEvent, stored_from_row
+from ledger.store import Store
+from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
+from projections.memory import write_fact_of_row as _write_fact_of_row
+from projections.sql import chunks, insert_rows
+from projections.vectors import current_embedder, memory_text, to_blob
+
+FORGETS: Final = ("memory.forgotten", "task.purged")
+#: Event types that set marks on a memory (`projections.memory.marks_of`).
+MARK_TYPES: Final = ("memory.superseded", "memory.confirmed")
+#: The projection that keeps `mem_marks`.
+MEMORIES: Final = "memories"
+#: This projection's name (its checkpoint says how far `mem_history` is complete).
+HISTORY: Final = "history"
+#: What decides whether a memory's row changed (its content is fixed by its write and
+#: leaves only when it is forgotten, which changes its status).
+_STATE: Final = ("version", "status", "superseded_by", "candidate")
+#: Content a redaction removes from a row.
+CONTENT: Final = ("value", "text", "scope", "expires_at", "expires_us", "session_id")
+
+
+def fact_of_row(r: Sequence[Any]) -> tuple[WriteFact, bool]:
+    """The write fact of an `events` row of `WRITE_COLUMNS` and whether its content was
+    erased since it was recorded: `suppressed` is the event's own flag (a write erased
+    after it was recorded was not suppressed then)."""
+    fact = _write_fact_of_row(r)
+    erased = fact.suppressed and not bool(r[WRITE_COLUMNS.index("suppressed")])
+    return (dataclasses.replace(fact, suppressed=False) if erased else fact), erased
+
+
+async def marks_upto(conn: AsyncConnection, tenant: str, ids: Iterable[str], upto: int,
+                     done: int, ids_sql: Any = None) -> list[Mark]:
+    """The marks aimed at `ids` set by events at positions up to `upto`: from
+    `mem_marks` up to `done` (the memories view's checkpoint), from the ledger after it.
+    `ids_sql`, a SELECT of those ids, saves sending many of them as parameters."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    mk, ev = t.mem_marks.c, t.events.c
+    out: list[Mark] = []
+    parts = [ids_sql] if ids_sql is not None and len(wanted) > MANY else chunks(wanted)
+    for chunk in parts:
+        q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
+                                      mk.position <= min(upto, done))
+        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
+    if upto > done:  # positions the view has not applied yet: from the ledger itself
+        q = select(*STORED_COLUMNS).where(
+            ev.position > done, ev.position <= upto, ev.tenant == tenant,
+            or_(ev.type.in_(MARK_TYPES),
+                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
+        keep = set(wanted)
+        for r in (await conn.execute(q)).all():
+            out.extend(m for m in marks_of(stored_from_row(r)) if m.target in keep)
+    return out
+
+
+#: More ids than this are matched by a subquery rather than sent as parameters.
+MANY: Final = 400
+
+
+class Reach:
+    """The tombstones that can reach a slot, found by kind instead of by trying each
+    (resolving many slots against many tombstones)."""
+
+    def __init__(self, tombs: Sequence[Tombstone]) -> None:
+        self.by_id: dict[str, list[Tombstone]] = {}
+        self.by_key: dict[tuple[str | None, str | None], list[Tombstone]] = {}
+        self.by_task: dict[str | None, list[Tombstone]] = {}
+        self.prefixes: list[Tombstone] = []
+        for ts in tombs:
+            if ts.kind == "memory_id":
+                self.by_id.setdefault(ts.memory_id or "", []).append(ts)
+            elif ts.kind == "key":
+                self.by_key.setdefault((ts.ns_path, ts.mkey), []).append(ts)
+            elif ts.kind == "task":
+                self.by_task.setdefault(ts.task_key, []).append(ts)
+            else:
+                self.prefixes.append(ts)
+
+    def slot(self, ws: Sequence[WriteFact]) -> list[Tombstone]:
+        """Every tombstone that may cover a write of this slot (the rule then decides)."""
+        w = ws[0]
+        out = [ts for x in ws for ts in self.by_id.get(x.memory_id, ())]
+        out += self.by_key.get((w.ns_path, w.key), [])
+        if w.task_key is not None:
+            out += self.by_task.get(w.task_key, [])
+        out += [ts for ts in self.prefixes if w.ns_path.startswith(ts.ns_path or "\x00")]
+        return out
+
+
+def coordinates(row: Any) -> Coordinates:
+    """The forget rule's view of a row (a `resolve_slot` dict or a table row)."""
+    d: dict[str, Any] = row if isinstance(row, dict) else vars(row)
+    return Coordinates(d["tenant"], bytes(d["order_key"]), d["memory_id"], d["ns_path"],
+                       d["mkey"], d["task_key"])
+
+
+def redact(row: dict[str, Any]) -> None:
+    """Remove a row's content (in place): what a forget erased stays erased in the past."""
+    row.update(dict.fromkeys(CONTENT), redacted=True, model=None, vector=None)
+
+
+async def checkpoint(conn: AsyncConnection, name: str) -> int:
+    """A projection's checkpoint position (0 when it has none)."""
+    cp = t.checkpoints.c
+    row = (await conn.execute(select(cp.position).where(cp.name == name))).first()
+    return int(row[0]) if row is not None else 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Open:
+    """A memory's open row: where it starts, its state, and the new row if unsaved."""
+
+    valid_from: int
+    state: tuple[Any, ...]
+    new: dict[str, Any] | None = None
+
+
+class _Changes:
+    """The rows a batch closes and opens."""
+
+    def __init__(self) -> None:
+        self.open: dict[tuple[str, str], _Open] = {}
+        self.closed: list[dict[str, Any]] = []  # open rows in the table to close
+        self.rows: list[dict[str, Any]] = []  # new rows
+
+    def state(self, row: dict[str, Any], p: int, redacted: bool) -> None:
+        """The memory's state after position `p`: opens a row if it changed."""
+        key = (row["tenant"], row["memory_id"])
+        st = tuple(row[c] for c in _STATE)
+        cur = self.open.get(key)
+        if cur is not None and cur.state == st:
+            return
+        if cur is not None:
+            if cur.new is not None:
+                cur.new["valid_to"] = p
+            else:
+                self.closed.append({"k_tenant": key[0], "k_memory_id": key[1],
+                                    "k_valid_from": cur.valid_from, "k_valid_to": p})
+        new = {**row, "valid_from": p, "valid_to": None, "redacted": False, "model": None,
+               "vector": None}
+        if redacted:
+            redact(new)
+        self.rows.append(new)
+        self.open[key] = _Open(p, st, new)
+
+
+class HistoryProjection:
+    """Validity intervals of the memories view's rows (the as-of reads' stored past)."""
+
+    name = HISTORY
+    tables = (t.mem_history,)
+    types: tuple[str, ...] | None = (*MEMORY_WRITES, *MARK_TYPES, *FORGETS)
+    #: Reads `mem_marks` (up to the memories view's checkpoint; the rest from the ledger).
+    depends_on: tuple[str, ...] = (MEMORIES,)
+
+    async def apply(self, store: Store, conn: AsyncConnection,
+                    batch: Sequence[StoredEvent]) -> None:
+        """Record every change the batch makes to the rows of the slots it reaches, at
+        the position of the event that makes it; clear what its forgets cover."""
+        if not batch:
+            return
+        hi = batch[-1].position
+        done = await checkpoint(conn, MEMORIES)
+        by_tenant: dict[str, list[StoredEvent]] = {}
+        for se in batch:
+            by_tenant.setdefault(se.tenant, []).append(se)
+        changes = _Changes()
+        forgets: list[Tombstone] = []
+        for tenant in sorted(by_tenant):
+            forgets += await _tenant(store, conn, tenant, by_tenant[tenant], hi, done,
+                                     changes)
+        mh = t.mem_history.c
+        if changes.closed:
+            await conn.execute(update(t.mem_history).where(
+                mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
+                mh.valid_from == bindparam("k_valid_from")).values(
+                valid_to=bindparam("k_valid_to")), changes.closed)
+        await _embed(conn, changes.rows)
+        await insert_rows(store, conn, t.mem_history, changes.rows)
+        for ts in forgets:
+            await conn.execute(update(t.mem_history).where(
+                covers_sql(ts, mh), mh.redacted.is_(False)).values(
+                **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))
+
+
+async def _tenant(store: Store, conn: AsyncConnection, tenant: str,
+                  evs: Sequence[StoredEvent], hi: int, done: int,
+                  changes: _Changes) -> list[Tombstone]:
+    """One tenant's part of a batch; returns the batch's tombstones (to clear)."""
+    ev, mh = t.events.c, t.mem_history.c
+    writes_t = sorted(MEMORY_WRITES)
+    lo = evs[0].position
+    at: dict[str, set[int]] = {}  # slot -> positions of the batch that may change it
+    for se in evs:
+        if se.type in MEMORY_WRITES and se.slot:
+            at.setdefault(se.slot, set()).add(se.position)
+    aims: dict[str, set[int]] = {}  # memory id -> positions of marks that may change it
+    confirms: dict[str, set[int]] = {}
+    for m in (m for se in evs for m in marks_of(se)):
+        aims.setdefault(m.target, set()).add(m.position)
+        if m.kind == "confirmed":
+            confirms.setdefault(m.target, set()).add(m.position)
+    # A confirmed candidate's `supersedes` starts to count: its target's slot changes.
+    for chunk in chunks(sorted(confirms)):
+        q = select(ev.memory_id, ev.supersedes).where(
+            ev.tenant == tenant, ev.memory_id.in_(chunk), ev.type.in_(writes_t),
+            ev.supersedes.is_not(None), ev.position <= hi)
+        for mid, sup in (await conn.execute(q)).all():
+            aims.setdefault(sup, set()).update(confirms[mid])
+    for chunk in chunks(sorted(aims)):
+        q = select(ev.memory_id, ev.slot).where(
+            ev.tenant == tenant, ev.memory_id.in_(chunk), ev.type.in_(writes_t),
+            ev.position <= hi)
+        for mid, slot in (await conn.execute(q)).all():
+            at.setdefault(slot, set()).update(aims[mid])
+    tombs = await store.tombstones(conn, [tenant], upto=hi)
+    forgets = [ts for ts in tombs if ts.position >= lo]
+    for ts in forgets:
+        q = select(ev.slot).where(ev.type.in_(writes_t), ev.position <= hi,
+                                  covers_sql(ts, ev, order_key=None)).distinct()
+        for r in (await conn.execute(q)).all():
+            at.setdefault(r[0], set()).add(ts.position)
+    if not at:
+        return forgets
+    slots = sorted(at)
+    facts: dict[str, list[WriteFact]] = {}
+    erased: set[str] = set()
+    cols = [ev[c] for c in WRITE_COLUMNS]
+    for chunk in chunks(slots):
+        q = select(*cols).where(ev.tenant == tenant, ev.slot.in_(chunk),
+                                ev.type.in_(writes_t), ev.position <= hi)
+        for r in (await conn.execute(q)).all():
+            f, gone = fact_of_row(r)
+            facts.setdefault(f.slot, []).append(f)
+            if gone:
+                erased.add(f.memory_id)
+        q2 = select(mh.memory_id, mh.valid_from, *[mh[c] for c in _STATE]).where(
+            mh.slot.in_(chunk), mh.tenant == tenant, mh.valid_to.is_(None))
+        for r in (await conn.execute(q2)).all():
+            changes.open[(tenant, r[0])] = _Open(int(r[1]), tuple(r[2:]))
+    ids = [f.memory_id for fs in facts.values() for f in fs]
+    marks = await marks_upto(conn, tenant, ids, hi, done)
+    vias = {m.via_candidate for m in marks if m.via_candidate}
+    confirmed_at: dict[str, int] = {}
+    for m in await marks_upto(conn, tenant, vias, hi, done):
+        if m.kind == "confirmed":
+            confirmed_at[m.target] = min(m.position, confirmed_at.get(m.target, m.position))
+    by_target: dict[str, list[Mark]] = {}
+    for m in marks:
+        by_target.setdefault(m.target, []).append(m)
+    reach = Reach(tombs)
+    for slot in slots:
+        ws_all = sorted(facts.get(slot, ()), key=lambda w: w.position)
+        if not ws_all:
+            continue
+        ms_all = [m for w in ws_all for m in by_target.get(w.memory_id, ())]
+        ts_all = reach.slot(ws_all)
+        for p in sorted(at[slot]):
+            ws = [w for w in ws_all if w.position <= p]
+            if not ws:
+                continue
+            ms = [m for m in ms_all if m.position <= p]
+            conf = {c for c, cp in confirmed_at.items() if cp <= p}
+            past = [ts for ts in ts_all if ts.position <= p]
+            for row in resolve_slot(ws, ms, conf, past):
+                hidden = row["memory_id"] in erased or any(
+                    covers(ts, coordinates(row)) for ts in ts_all)
+                changes.state(row, p, hidden)
+    return forgets
+
+
+async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    """Give active, unredacted new rows their text's embedding: the memory's vector
+    from an earlier row of it when one was made by the same model, else computed (all
+    at once)."""
+    want = [r for r in rows if r["status"] == "active" and not r["redacted"]]
+    if not want:
+        return
+    emb = current_embedder()
+    mh = t.mem_history.c
+    known: dict[tuple[str, str], bytes] = {}
+    pairs = sorted({(r["tenant"], r["memory_id"]) for r in want} - set(known))
+    for chunk in chunks(pairs):
+        q = select(mh.tenant, mh.memory_id, mh.vector).where(
+            pairs_in(mh.tenant, mh.memory_id, chunk), mh.model == emb.name,
+            mh.vector.is_not(None))
+        for tenant, mid, vec in (await conn.execute(q)).all():
+            known[(tenant, mid)] = bytes(vec)
+    todo: dict[tuple[str, str], str] = {}
+    for r in want:
+        k = (r["tenant"], r["memory_id"])
+        if k not in known:
+            todo[k] = memory_text(r["mkey"], r["value"], r["text"])
+    if todo:
+        vecs = emb.embed(list(todo.values()))
+        known.update({k: to_blob(v) for k, v in zip(todo, vecs, strict=True)})
+    for r in want:
+        r["model"], r["vector"] = emb.name, known[(r["tenant"], r["memory_id"])]
