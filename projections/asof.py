@@ -56,7 +56,7 @@ from ledger.store import Store
 from projections import reads
 from projections.budget import fit
 from projections.candidates import KEY_NAMED, MIN_RELEVANCE, Candidate
-from projections.embedding import Embedder
+from projections.embedding import Embedder, embed_queries
 from projections.history import CONTENT, HISTORY, Reach, coordinates, marks_upto
 from projections.memory import (
     WRITE_COLUMNS,
@@ -70,7 +70,7 @@ from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
 from projections.sql import PointQuery, chunks, point_rows, prefix_match
 from projections.tasks import Note, note_body, summarize
-from projections.vectors import current_embedder, from_blobs, memory_text
+from projections.vectors import from_blobs, memory_text, store_embedder
 
 POSITION_PREFIX: Final = "position:"
 _POSITION = re.compile(r"position:(0|[1-9][0-9]{0,17})")
@@ -613,9 +613,9 @@ async def recall(store: Store, principal: str, *, as_of: str, query: str | None,
     scores and reasons of what was returned."""
     who = reads.Principal.parse(principal)
     await store.open()
-    emb = current_embedder()
+    emb = await store_embedder(store)  # the ledger's recorded embedder, as live recall
     qtext = (query or "").strip() or None
-    qvec = emb.embed([qtext])[0] if qtext else None
+    qvec = embed_queries(emb, [qtext])[0] if qtext else None
     instant = await resolve_now(store, as_of)
     if not stored:
         instant = replace(instant, history_at=0)

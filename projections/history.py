@@ -21,9 +21,10 @@ view is right whether or not the memories view has caught up); the tombstones.
 Forgotten content stays forgotten in the past: a row whose write a forget covers, in any
 interval, holds no value, text, scope, expiry, session or vector (`redacted`): rows
 written after the forget are written so, rows written before it are cleared when the
-forget is applied. Active, unredacted rows carry the embedding of their text
-(`projections.vectors.current_embedder`, model name beside it), computed once per memory,
-so an as-of recall scores without embedding.
+forget is applied. Active, unredacted rows carry the embedding of their text by the
+ledger's recorded embedder (as the vector index's; model name beside it), computed once
+per memory or, for a model, taken from the digest-keyed cache the index filled, so an
+as-of recall scores without embedding.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import STORED_COLUMNS, pairs_in
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
+from projections.embed_cache import cached, digest
+from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
 from projections.sql import chunks, insert_rows
-from projections.vectors import current_embedder, memory_text, to_blob
+from projections.vectors import embedder_named, memory_text, recorded_embedder, to_blob
 
 FORGETS: Final = ("memory.forgotten", "task.purged")
 #: Event types that set marks on a memory (`projections.memory.marks_of`).
@@ -319,7 +322,8 @@ async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     want = [r for r in rows if r["status"] == "active" and not r["redacted"]]
     if not want:
         return
-    emb = current_embedder()
+    # The ledger's recorded embedder (`memledger config set embedder`), as the index's.
+    emb = embedder_named(await recorded_embedder(conn))
     mh = t.mem_history.c
     known: dict[tuple[str, str], bytes] = {}
     pairs = sorted({(r["tenant"], r["memory_id"]) for r in want} - set(known))
@@ -334,6 +338,15 @@ async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
         k = (r["tenant"], r["memory_id"])
         if k not in known:
             todo[k] = memory_text(r["mkey"], r["value"], r["text"])
+    if todo and is_cached(emb):
+        # A model's vectors of these texts are usually in the digest-keyed cache already
+        # (the vector index, which runs before this view, put them there).
+        digests = {k: digest(x) for k, x in todo.items()}
+        hits = await cached(conn, emb, digests.values())
+        for k, d in digests.items():
+            if d in hits:
+                known[k] = to_blob(hits[d])
+                del todo[k]
     if todo:
         vecs = emb.embed(list(todo.values()))
         known.update({k: to_blob(v) for k, v in zip(todo, vecs, strict=True)})

@@ -289,3 +289,26 @@ def test_e5_prefixes_blank_rows_and_cross_language_match() -> None:
     q = emb.embed_queries(["which language should replies use?"])[0]
     assert not np.allclose(q, emb.embed(["which language should replies use?"])[0])
     assert float(docs[0] @ q) > float(docs[2] @ q)
+
+
+async def test_history_and_as_of_recall_use_the_recorded_model(
+        store: Store, model: CountingModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stored history (as-of reads, R29) embeds with the ledger's recorded embedder,
+    not the process default, and takes a model's vectors from the digest cache the index
+    filled (each text reaches the model once); as-of recall queries with the same model."""
+    from projections import asof
+
+    monkeypatch.setenv(EMBEDDER_ENV, "hashgram")
+    await config.set_embedder(store, "counting-model-v1")
+    await append(store, write("reply_language", "Simplified Chinese", memory_id="A",
+                              source=src(at=at(1))),
+                 write("reply_style", "brief answers", memory_id="B", source=src(at=at(2))))
+    await Runner(store).catch_up()
+    async with store.read() as conn:
+        rows = (await conn.execute(select(t.mem_history))).all()
+    assert {r.model for r in rows if r.vector is not None} == {"counting-model-v1"}
+    assert len(model.texts) == len(set(model.texts))
+    rec = await asof.recall(store, "shop-a/u7", as_of="position:2", query="reply language",
+                            session=None, task=None, budget=None, limit=5, now_us=NOW)
+    assert rec["items"][0]["memory_id"] == "A"
+    assert model.texts[-1] == "reply language"  # the query, embedded by the model
