@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES
 from ledger.store import Store
-from projections import lexical, reads
-from projections.embedding import Embedder
+from projections import embed_cache, lexical, reads
+from projections.embedding import Embedder, is_cached
 from projections.index_cache import LAG_WINDOW
 from projections.principal_index import Group, PrincipalIndex, cosine_scores, norm_key
 from projections.sql import PointQuery, point_rows, prefix_match
@@ -35,6 +35,10 @@ KEY_NAMED: Final = 0.6
 POOL: Final = 48
 #: Writes newer than the index considered directly: at most this many.
 LAG_MAX: Final = 256
+#: Of those, at most this many are embedded by a model embedder during a recall (a model
+#: takes tens to hundreds of ms a text); the digest cache is consulted first, and the
+#: rest wait for the index (the lexical arm and key matches still find them).
+LAG_MODEL_EMBED: Final = 16
 #: How the semantic and lexical arms are fused: "weighted:A" (A x cosine + (1 - A) x
 #: lexical score / the query's best lexical score), "rrf" (reciprocal-rank fusion) or
 #: "semantic" (vectors only). The default, weighted with A = 0.5, measured best on the
@@ -162,7 +166,7 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
         pq = _RECHECK_POINT[(task is not None, session is not None)]
         rows = point_rows(store, pq, {**values, "ids": orjson.dumps(list(memory_ids)).decode()})
         if rows is not None:
-            return [reads.MemRow._make(r) for r in rows]
+            return [reads.MemVersionRow._make(r) for r in rows]
     q = _RECHECK[(task is not None, session is not None)]
     return list((await conn.execute(q, {**values, "ids": list(memory_ids)})).all())
 
@@ -213,6 +217,31 @@ def fuse(sem: dict[str, float], lex: Sequence[tuple[str, float]],
         out[m] = out.get(m, 0.0) + 1.0 / (RRF_K + r + 1)
     # Scaled so that first in both arms is 1.0 and first in one arm is 0.5.
     return {m: Candidate(v * (RRF_K + 1) / 2, basis[m]) for m, v in out.items()}
+
+
+async def _lag_vectors(conn: AsyncConnection, emb: Embedder, rows: Sequence[Any]
+                       ) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
+    """Vectors of writes the index has not settled, and which of them were scored. The
+    default embedder embeds them all; a model embedder takes what the digest cache holds
+    and embeds at most `LAG_MODEL_EMBED` more (newest first), leaving the rest zero
+    (unscored) until the index catches up, so a backlog never costs a recall seconds."""
+    texts = [memory_text(r.mkey, r.value, r.text) for r in rows]
+    if not is_cached(emb):
+        return emb.embed(texts), np.ones(len(rows), dtype=bool)
+    keys = [embed_cache.digest(x) for x in texts]
+    have = await embed_cache.cached(conn, emb, keys)
+    out = np.zeros((len(rows), emb.dim), dtype=np.float32)
+    scored = np.zeros(len(rows), dtype=bool)
+    todo: list[int] = []
+    for i, k in enumerate(keys):
+        if k in have:
+            out[i], scored[i] = have[k], True
+        elif len(todo) < LAG_MODEL_EMBED:
+            todo.append(i)
+    if todo:
+        out[todo] = emb.embed([texts[i] for i in todo])
+        scored[todo] = True
+    return out, scored
 
 
 async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Principal,
@@ -284,13 +313,17 @@ async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Princ
     # Writes the index has not caught up with: score their text now.
     fresh = [valid[m] for m in lag_ids if m in valid and m not in cands]
     if fresh:
-        sims = (emb.embed([memory_text(r.mkey, r.value, r.text) for r in fresh]) @ qvec
-                if qvec is not None else np.ones(len(fresh)))
+        scored = np.ones(len(fresh), dtype=bool)
+        if qvec is not None:
+            matrix, scored = await _lag_vectors(conn, emb, fresh)
+            sims = matrix @ qvec
+        else:
+            sims = np.ones(len(fresh))
         q = norm_key(qtext) if qtext is not None else None
-        for r, sim in zip(fresh, sims, strict=True):
+        for r, sim, ok in zip(fresh, sims, scored, strict=True):
             cands[r.memory_id] = (Candidate(1.0, "exact key match") if q == norm_key(r.mkey)
                                   else Candidate(float(sim), basis))
-            if qvec is not None and q != norm_key(r.mkey):
+            if qvec is not None and q != norm_key(r.mkey) and ok:
                 sem[r.memory_id] = float(sim)
     if qvec is not None:
         for m, fc in fuse(sem, lex).items():

@@ -119,6 +119,8 @@ _GET = _get_statement()
 _GET_POINT = PointQuery(_GET)
 #: A `mem_versions` row as the driver returns it, with the columns as attributes.
 MemRow = namedtuple("MemRow", [c.name for c in _GET_COLUMNS])  # type: ignore[misc]
+#: A whole `mem_versions` row (text included) as the driver returns it.
+MemVersionRow = namedtuple("MemVersionRow", [c.name for c in t.mem_versions.c])  # type: ignore[misc]
 
 
 def _get_values(who: Principal, namespace: list[str], key: str, now_us: int,

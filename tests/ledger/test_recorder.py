@@ -337,5 +337,5 @@ async def test_reclaim_after_an_erasure(store: Store) -> None:
         assert counts == {}
     else:
         assert set(counts) <= {"events", "mem_versions", "task_notes", "tasks_view",
-                               "vectors", "lexical_docs", "mem_history"} \
+                               "vectors", "lexical_docs", "mem_history", "dead_letters"} \
             and "events" in counts

@@ -312,3 +312,28 @@ async def test_history_and_as_of_recall_use_the_recorded_model(
                             session=None, task=None, budget=None, limit=5, now_us=NOW)
     assert rec["items"][0]["memory_id"] == "A"
     assert model.texts[-1] == "reply language"  # the query, embedded by the model
+
+
+async def test_a_lagging_index_costs_a_model_recall_a_bounded_number_of_texts(
+        store: Store, model: CountingModel) -> None:
+    """Writes the vector index has not settled are scored at recall time (R14); with a
+    model embedder at most `LAG_MODEL_EMBED` of them are embedded then (newest first),
+    the rest wait for the index, and an exact key match among them is still found."""
+    from projections.candidates import LAG_MODEL_EMBED
+    from projections.views import MemoryProjection, TaskProjection
+
+    n = LAG_MODEL_EMBED + 24
+    await append(store, *(write(f"note_{i}", f"visited city number {i}", memory_id=f"M{i}",
+                                source=src(at=at(i % 60))) for i in range(n)))
+    await Runner(store, [MemoryProjection(), TaskProjection()]).catch_up()
+    before = len(model.texts)
+    rec = await recall(store, "shop-a/u7", query="note 0", session=None, task=None,
+                       budget=None, limit=5, now_us=NOW)
+    embedded = model.texts[before:]
+    assert embedded[0] == "note 0"  # the query
+    assert len(embedded) - 1 == LAG_MODEL_EMBED
+    assert rec["items"][0]["memory_id"] == "M0"  # the oldest, matched by its key
+    await Runner(store).catch_up()
+    again = await recall(store, "shop-a/u7", query="visited city number 3", session=None,
+                         task=None, budget=None, limit=3, now_us=NOW)
+    assert "M3" in [i["memory_id"] for i in again["items"]]
