@@ -338,12 +338,14 @@ class MemledgerStore(BaseStore):
                 if found is None:
                     return None
                 results.append(found)
-            else:
+            elif isinstance(op, ListNamespacesOp):
                 paths = store_reads.namespaces_now(store, self.tenant, now_us=now_us,
                                                    owner_prefix=self._owner)
                 if paths is None:
                     return None
                 results.append(self._list_of(paths, op))
+            else:
+                return None  # a put: the loop path (not reached: puts returned above)
         return results
 
     def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
