@@ -196,6 +196,11 @@ class MemledgerStore(BaseStore):
         self._ml = MemoryLedger(url, register_path=register_path)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
+        #: Projection rounds (`_project`): the position every view has reached through
+        #: this store, and the round running now, which concurrent writers share.
+        self._projected = 0
+        self._round: asyncio.Task[None] | None = None
+        self.rounds = 0  # projection rounds run (a writer's wait is one or two of them)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="memledger-langgraph")
@@ -285,10 +290,15 @@ class MemledgerStore(BaseStore):
 
     # -- the batch ---------------------------------------------------------------------
     async def _batch(self, ops: list[Op]) -> list[Result]:
+        """The reads of a batch (at most 4 batches at once: fewer than the ledger's
+        connection pool), then its writes, outside the gate: they hold no connection of
+        their own (the ledger's append queue and the shared projection round write)."""
         if self._gate is None:
-            self._gate = asyncio.Semaphore(4)  # fewer than the ledger's connection pool
+            self._gate = asyncio.Semaphore(4)
         async with self._gate:
-            return await self._batch_now(ops)
+            results, puts, refresh = await self._batch_reads(ops)
+        await self._write(puts, refresh)
+        return results
 
     @staticmethod
     def _validate(ops: list[Op]) -> None:
@@ -328,8 +338,14 @@ class MemledgerStore(BaseStore):
                 if found is None:
                     return None
                 results.append(found)
+            elif isinstance(op, ListNamespacesOp):
+                paths = store_reads.namespaces_now(store, self.tenant, now_us=now_us,
+                                                   owner_prefix=self._owner)
+                if paths is None:
+                    return None
+                results.append(self._list_of(paths, op))
             else:
-                return None  # list_namespaces reads every live row: the loop path
+                return None  # a put: the loop path (not reached: puts returned above)
         return results
 
     def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
@@ -396,37 +412,45 @@ class MemledgerStore(BaseStore):
         items = self._matching(op, rows)
         return items if plain else items[op.offset:op.offset + op.limit]
 
-    async def _batch_now(self, ops: list[Op]) -> list[Result]:
+    async def _batch_reads(self, ops: list[Op]
+                           ) -> tuple[list[Result], list[PutOp], dict[tuple[str, str], Any]]:
+        """The results of a batch's reads, its puts (the last of each key) and the TTL
+        refreshes its reads call for; nothing is written yet."""
         await self._open()
         self._validate(ops)
         results: list[Result] = [None] * len(ops)
         now_us = time.time_ns() // 1000
         refresh: dict[tuple[str, str], Any] = {}
-        async with self._ml.store.read() as conn:
-            gets = [(i, op) for i, op in enumerate(ops) if isinstance(op, GetOp)]
-            if gets:
-                targets = [(ns_path(self._ns(op.namespace)), encode_key(op.key))
-                           for _, op in gets]
-                rows = {(r.ns_path, r.mkey): r for r in await store_reads.get_many(
-                    conn, self.tenant, list(set(targets)), now_us=now_us,
-                    owner_prefix=self._owner)}
-                for (i, gop), tk in zip(gets, targets, strict=True):
-                    row = rows.get(tk)
-                    if row is not None:
-                        results[i] = self._item(row)
-                        if gop.refresh_ttl and self._refreshes and row.expires_us is not None:
-                            refresh[tk] = row
-            for i, op in enumerate(ops):
-                if isinstance(op, SearchOp):
-                    results[i] = await self._search(conn, op, now_us, refresh)
-                elif isinstance(op, ListNamespacesOp):
-                    results[i] = await self._list(conn, op, now_us)
+        if not all(isinstance(op, PutOp) for op in ops):  # a put-only batch reads nothing
+            async with self._ml.store.read() as conn:
+                await self._reads(conn, ops, results, now_us, refresh)
         puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
         for op in ops:
             if isinstance(op, PutOp):
                 puts[(tuple(op.namespace), op.key)] = op
-        await self._write(list(puts.values()), refresh)
-        return results
+        return results, list(puts.values()), refresh
+
+    async def _reads(self, conn: Any, ops: list[Op], results: list[Result], now_us: int,
+                     refresh: dict[tuple[str, str], Any]) -> None:
+        """Fill `results` with the answers of the batch's reads, in one snapshot."""
+        gets = [(i, op) for i, op in enumerate(ops) if isinstance(op, GetOp)]
+        if gets:
+            targets = [(ns_path(self._ns(op.namespace)), encode_key(op.key))
+                       for _, op in gets]
+            rows = {(r.ns_path, r.mkey): r for r in await store_reads.get_many(
+                conn, self.tenant, list(set(targets)), now_us=now_us,
+                owner_prefix=self._owner)}
+            for (i, gop), tk in zip(gets, targets, strict=True):
+                row = rows.get(tk)
+                if row is not None:
+                    results[i] = self._item(row)
+                    if gop.refresh_ttl and self._refreshes and row.expires_us is not None:
+                        refresh[tk] = row
+        for i, op in enumerate(ops):
+            if isinstance(op, SearchOp):
+                results[i] = await self._search(conn, op, now_us, refresh)
+            elif isinstance(op, ListNamespacesOp):
+                results[i] = await self._list(conn, op, now_us)
 
     async def _search(self, conn: Any, op: SearchOp, now_us: int,
                       refresh: dict[tuple[str, str], Any]) -> list[SearchItem]:
@@ -467,6 +491,11 @@ class MemledgerStore(BaseStore):
                     ) -> list[tuple[str, ...]]:
         paths = await store_reads.namespaces(conn, self.tenant, now_us=now_us,
                                              owner_prefix=self._owner)
+        return self._list_of(paths, op)
+
+    @staticmethod
+    def _list_of(paths: Sequence[str], op: ListNamespacesOp) -> list[tuple[str, ...]]:
+        """`list_namespaces`' answer from the namespace paths that hold live items."""
         nss = [tuple(decode_label(p) for p in path.split(NS_SEP)[1:-1]) for path in paths]
         if op.match_conditions:
             nss = [ns for ns in nss if all(_does_match(c, ns) for c in op.match_conditions)]
@@ -558,7 +587,31 @@ class MemledgerStore(BaseStore):
             for i, texts in embed:
                 self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
                 n += len(texts)
-        await self._ml.append(events, wait=True)
+        await self._append(events)
+
+    async def _append(self, events: list[Event]) -> None:
+        """Append `events` (one request: all or none) and return once every view shows
+        them (what LangGraph's read-after-write needs)."""
+        got = await self._ml.append(events, wait=False)
+        await self._project(max(r.position for r in got))
+
+    async def _project(self, upto: int) -> None:
+        """Return once every view has reached `upto`. Concurrent writers share
+        projection rounds: one round runs at a time and catches every view up to the
+        head it read at its start, so N writers waiting together cost one or two rounds,
+        not N (each round is a transaction per view, the write lock's turn each time:
+        N rounds of them starved `test_large_batches_async`'s 6,000 concurrent calls)."""
+        while self._projected < upto:
+            if self._round is None or self._round.done():
+                self._round = asyncio.get_running_loop().create_task(self._one_round())
+            round_ = self._round
+            await asyncio.shield(round_)
+
+    async def _one_round(self) -> None:
+        self.rounds += 1
+        head = await self._ml.store.head()
+        await self._ml.runner.catch_up(upto=head)
+        self._projected = max(self._projected, head)
 
     # -- TTL ---------------------------------------------------------------------------
     async def _sweep(self) -> int:
@@ -571,7 +624,7 @@ class MemledgerStore(BaseStore):
         events = [builders.forget_key(
             tenant=self.tenant, actor=self.source_id, namespace=path.split(NS_SEP)[:-1],
             key=key, source=self._source(), reason="ttl expired") for path, key in due]
-        await self._ml.append(events, wait=True)
+        await self._append(events)
         return len(due)
 
     def sweep_ttl(self) -> int:

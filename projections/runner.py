@@ -119,11 +119,15 @@ class Runner:
         #: beside runners of other shards (`workers.leases` keeps it to the leases held).
         self.owned: frozenset[int] | None = None
         self._reclaim = False  # an erasure batch ran: reclaim after its commit
+        #: The checkpoint a projection's last `step` left, where that step read it
+        #: (`_step_all`): `catch_up` stops there without a step that moves nothing.
+        self._left: dict[str, int] = {}
 
     async def step(self, proj: Projection, upto: int | None = None,
                    size: int | None = None) -> int:
         """Apply one batch of at most `size` positions (default: `batch_size`) to one
         projection; returns how many positions it moved."""
+        self._left.pop(proj.name, None)
         prepare = getattr(proj, "prepare", None)
         if prepare is not None:
             # Slow work a projection can do before its write transaction (a model
@@ -172,6 +176,7 @@ class Runner:
                     return moved
             end = upto if upto is not None else await self.store.head(conn)
             if end <= position:
+                self._left[proj.name] = position
                 return 0
             # Shards that moved on their own (`_step_shards`) are past the base: their
             # events up to their row are applied already.
@@ -195,6 +200,7 @@ class Runner:
             if ahead:
                 await conn.execute(delete(t.shard_checkpoints).where(
                     sc.projection == proj.name, sc.position <= hi))
+        self._left[proj.name] = hi
         self._after_batch(proj, position, hi, batch, failed, started)
         return hi - position
 
@@ -429,7 +435,8 @@ class Runner:
             while True:
                 got = await self.step(proj, head)
                 n += got
-                if got == 0:
+                # at `head` already: no second transaction to find nothing left
+                if got == 0 or self._left.get(proj.name, -1) >= head:
                     break
             applied[proj.name] = n
         return applied

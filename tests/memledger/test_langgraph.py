@@ -6,6 +6,7 @@ principal-scoped store reads only its user's namespaces, checked in SQL (R24).
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,46 @@ async def test_put_replayed_after_restore_does_not_resurrect(tmp_path: Path) -> 
         assert again.search(("u7",)) == []
     finally:
         again.close()
+
+
+async def test_concurrent_calls_share_projection_rounds(db_url: str) -> None:
+    """LangGraph's `test_large_batches_async` pattern, small: puts, gets, namespace
+    listings, searches and deletes of the same keys, all in flight at once. Every call
+    finishes with LangGraph's answers, and the writers share catch-ups of the views
+    instead of each running its own (one per write starved the 6,000-call original:
+    every catch-up is a write transaction per view, taken in turn)."""
+    from memledger.langgraph import AsyncMemledgerStore
+
+    n = 30
+    async with AsyncMemledgerStore.from_conn_string(db_url) as store:
+        await store.setup()
+        runner = store._ml.runner
+        catch_ups = 0
+        real = runner.catch_up
+
+        async def counted(upto: int | None = None) -> dict[str, int]:
+            nonlocal catch_ups
+            catch_ups += 1
+            return await real(upto)
+
+        runner.catch_up = counted  # type: ignore[method-assign]
+        calls: list[Any] = []
+        for i in range(n):
+            ns = ("test", "c", str(i % 2))
+            calls += [store.aput(ns, f"k{i}", {"v": i}),
+                      store.aget(ns, f"k{i}"),
+                      store.alist_namespaces(prefix=("test",), max_depth=2),
+                      store.asearch(("test",)),
+                      store.aput(ns, f"k{i}", {"v": i, "again": True}),
+                      store.adelete(ns, f"k{i}")]
+        results = await asyncio.gather(*calls)
+        assert len(results) == 6 * n
+        for i in range(n):
+            got = results[6 * i + 1]
+            assert got is None or got.value["v"] == i  # before or after its own put
+            assert results[6 * i + 2] in ([], [("test", "c")])
+        writes = 3 * n
+        assert catch_ups <= writes // 4, (catch_ups, writes)
+        # the last write of every key was its delete: nothing is left
+        assert await store.asearch(("test",), limit=1000) == []
+        assert await store.alist_namespaces() == []

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("langgraph.store.base")
 
-from langgraph.store.base import GetOp, SearchOp
+from langgraph.store.base import GetOp, ListNamespacesOp, MatchCondition, SearchOp
 
 from memledger.langgraph import MemledgerStore
 
@@ -29,7 +29,8 @@ def _dicts(results: list[Any]) -> list[Any]:
     out: list[Any] = []
     for r in results:
         if isinstance(r, list):
-            out.append([(i.dict(), getattr(i, "score", None)) for i in r])
+            out.append([i if isinstance(i, tuple) else (i.dict(), getattr(i, "score", None))
+                        for i in r])
         else:
             out.append(None if r is None else r.dict())
     return out
@@ -56,15 +57,18 @@ OPS: list[Any] = [
     SearchOp((), filter={"nested.n": {"$gte": 20}}, limit=20),
     SearchOp((), filter={"tag": {"$ne": "odd"}, "i": {"$lt": 50}}, limit=5),
     SearchOp(("u8", "notes"), limit=10), SearchOp(("u9",), limit=10),
+    ListNamespacesOp(), ListNamespacesOp(max_depth=1, limit=1, offset=1),
+    ListNamespacesOp((MatchCondition("prefix", ("u7",)),)),
+    ListNamespacesOp((MatchCondition("suffix", ("prefs",)),), max_depth=1),
 ]
 
 
 @pytest.mark.parametrize("principal", [None, "langgraph/u7"])
 def test_caller_thread_reads_answer_as_the_loop_path(sqlite_url: str,
                                                      principal: str | None) -> None:
-    """Every get and unranked search gives on the caller's thread exactly what the
-    store's loop path gives: items, order, paging, created and updated times; a
-    principal-scoped store sees only its user on both paths (R24)."""
+    """Every get, unranked search and namespace listing gives on the caller's thread
+    exactly what the store's loop path gives: items, order, paging, created and updated
+    times; a principal-scoped store sees only its user on both paths (R24)."""
     admin = MemledgerStore(url=sqlite_url)
     try:
         _fill(admin)
@@ -85,9 +89,11 @@ def test_caller_thread_reads_answer_as_the_loop_path(sqlite_url: str,
             assert again is not None and again.created_at == again.updated_at
             assert fast[2] is None and (("u8", "prefs"), "k3") not in by_key
             assert fast[3] is not None
+            assert fast[-1] == [("u7",), ("u8",)]
         else:
             assert fast[3] is None and all(i.namespace[0] == "u7" for i in fast[8])
             assert fast[10] == []
+            assert fast[-1] == [("u7",)]
     finally:
         store.close()
 

@@ -30,11 +30,6 @@ DESELECT: dict[str, str] = {
     # memledger's rules, by design (docs/langgraph.md, "What differs")
     "langgraph_checkpoint_sqlite-3.1.2/tests/test_store.py::test_sql_injection_vulnerability":
         "stores {'password': ...}: memledger refuses secrets in values (R23)",
-    # A KNOWN REGRESSION, not a difference by design (docs/langgraph.md, "Known
-    # regression"): since the second wave's merges these never finish (every thread
-    # idle, a future never resolved); they passed on the branches before the merge.
-    "test_async_store.py::test_large_batches_async":
-        "known regression: hangs after the 2026-12-02 merges (issue 16 stays open)",
 }
 
 
