@@ -98,9 +98,12 @@ def test_two_processes_lose_nothing(db_url: str) -> None:
         store.close()
 
 
-async def test_put_replayed_after_restore_does_not_resurrect(tmp_path: Path) -> None:
+async def test_put_replayed_after_restore_does_not_resurrect(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backup taken before a delete, restored, then the original put appended again
-    (a retry, a replayed queue): the key stays forgotten (R20, docs/forgetting.md)."""
+    (a retry, a replayed queue): the key stays forgotten (R20, docs/forgetting.md).
+    The restored ledger keeps the source's forget register and key store (the vault is
+    on by default), as an operator restoring beside the source would."""
     from ledger.store import Store
     from memledger import MemoryLedger
     from replay.backup import backup, restore
@@ -125,6 +128,8 @@ async def test_put_replayed_after_restore_does_not_resurrect(tmp_path: Path) -> 
     finally:
         store.close()
     b_url = f"sqlite+aiosqlite:///{tmp_path}/b.db"
+    if (tmp_path / "a.db.vault").exists():
+        monkeypatch.setenv("MEMLEDGER_VAULT_PATH", str(tmp_path / "a.db.vault"))
     await restore(Store(b_url, register_path=str(tmp_path / "a.db.forgets")),
                   tmp_path / "a.backup", progress=False)
     async with MemoryLedger(b_url, register_path=str(tmp_path / "a.db.forgets")) as ml:
