@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import orjson
 
+from ledger.durable import fsync_dir, replace_file
 from ledger.errors import RegisterError
 
 FORMAT: Final = 2
@@ -297,11 +298,7 @@ class ForgetRegister:
             os.close(fd)
 
     def _fsync_dir(self) -> None:
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(self.path)
 
     def _rewrite(self, entries: Sequence[dict[str, Any]], ledger: str | None) -> None:
         """Replace the file by `entries` in format 2: a temporary file, fsync, rename."""
@@ -311,14 +308,7 @@ class ForgetRegister:
         for seq, e in enumerate(entries, start=1):
             line, prev = _line(e, ledger, seq, prev)
             data += line
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, bytes(data))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        self._fsync_dir()
+        replace_file(self.path, tmp, bytes(data))
         self._cache = None
 
     def repair(self, ledger: str | None) -> dict[str, Any]:

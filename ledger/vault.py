@@ -60,6 +60,7 @@ from sqlalchemy import LargeBinary, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
+from ledger.durable import fsync_dir, replace_file
 from ledger.errors import MemledgerError
 
 #: First bytes of a sealed payload (a plaintext payload is JSON and starts with `{`).
@@ -368,7 +369,7 @@ class FileKeyStore(KeyStore):
             if os.fstat(fd).st_size == 0:
                 os.write(fd, FILE_MAGIC)
                 os.fsync(fd)
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
             legacy = os.pread(fd, 1, 0) == b"{"
         if legacy:
             os.close(fd)
@@ -467,14 +468,7 @@ class FileKeyStore(KeyStore):
                     if k not in fences:
                         out += _REC.pack(b"K", bytes.fromhex(k), len(w)) + w
                 tmp = self.path.with_name(self.path.name + ".converting")
-                tfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.write(tfd, bytes(out))
-                    os.fsync(tfd)
-                finally:
-                    os.close(tfd)
-                os.replace(tmp, self.path)
-                _fsync_dir(self.path)
+                replace_file(self.path, tmp, bytes(out))
                 # The old file's blocks held the keys of forgotten subjects as well:
                 # zero them before the last link to it goes.
                 os.pwrite(fd, bytes(len(data)), 0)
@@ -594,15 +588,6 @@ def _flocked(fd: int) -> Iterator[None]:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a file's creation or renaming durable."""
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _refuse_fenced(hit: Sequence[str]) -> None:

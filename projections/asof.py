@@ -125,6 +125,21 @@ def _utc_text(us: int) -> str:
         microsecond=us % 1_000_000).isoformat(timespec="microseconds")
 
 
+def _instant_position(by_time: bool) -> Any:
+    """The instant's position as a SQL expression: by time (`:at`), the longest prefix
+    recorded by then, which the first event recorded later ends; by position (`:n`), the
+    last event at or before N (N itself, or the head when N is past it). 0: none."""
+    ev = t.events.c
+    if by_time:
+        # `position + 0`: SQLite would otherwise walk the primary key for the minimum
+        # instead of reading the recording-time index's range, which holds the position.
+        later = select(func.min(ev.position + 0)).where(
+            ev.recorded_at > bindparam("at")).scalar_subquery()
+        return func.coalesce(later - 1, select(func.max(ev.position)).scalar_subquery(), 0)
+    return func.coalesce(select(func.max(ev.position)).where(
+        ev.position <= bindparam("n")).scalar_subquery(), 0)
+
+
 def _resolve_statement(by_time: bool) -> Any:
     """The instant in one statement: its position (`:n`, or the time `:at` in
     `recorded_at`'s form), the position's recording time, and how far the memories
@@ -132,17 +147,7 @@ def _resolve_statement(by_time: bool) -> Any:
     ev, cp = t.events.c, t.checkpoints.c
     views_at = select(cp.position).where(cp.name == _MEMORIES).scalar_subquery()
     history_at = select(cp.position).where(cp.name == HISTORY).scalar_subquery()
-    if by_time:
-        # The longest prefix recorded by then: the first event recorded later ends it.
-        # (`position + 0`: SQLite would otherwise walk the primary key for the minimum
-        # instead of reading the recording-time index's range, which holds the position.)
-        later = select(func.min(ev.position + 0)).where(
-            ev.recorded_at > bindparam("at")).scalar_subquery()
-        p = func.coalesce(later - 1, select(func.max(ev.position)).scalar_subquery(), 0)
-    else:
-        # The last event at or before N: N itself, or the head when N is past it.
-        p = func.coalesce(select(func.max(ev.position)).where(
-            ev.position <= bindparam("n")).scalar_subquery(), 0)
+    p = _instant_position(by_time)
     inst = select(p.label("p")).subquery("inst")
     recorded = select(ev.recorded_at).where(ev.position == inst.c.p).scalar_subquery()
     return select(inst.c.p, recorded, views_at, history_at).select_from(inst)
@@ -371,13 +376,7 @@ def _get_statement(by_time: bool) -> Any:
     to three slots that were active then, each with whether a forget the history has
     not applied yet covers it. Always at least one row (the instant's)."""
     ev, cp, mh, ts = t.events.c, t.checkpoints.c, t.mem_history.c, t.tombstones.c
-    if by_time:
-        later = select(func.min(ev.position + 0)).where(
-            ev.recorded_at > bindparam("at")).scalar_subquery()
-        p = func.coalesce(later - 1, select(func.max(ev.position)).scalar_subquery(), 0)
-    else:
-        p = func.coalesce(select(func.max(ev.position)).where(
-            ev.position <= bindparam("n")).scalar_subquery(), 0)
+    p = _instant_position(by_time)
     h = func.coalesce(select(cp.position).where(cp.name == HISTORY).scalar_subquery(), 0)
     inst = select(p.label("p"), h.label("h")).subquery("inst")
     late = exists().where(ts.position > inst.c.h, covers_sql(t.tombstones.c, mh))
