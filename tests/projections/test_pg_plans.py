@@ -40,7 +40,7 @@ PAD_ROWS = 120_000
 SCAN_LIMIT_ROWS = 1000
 #: The tables grown for EXPLAIN: the ledger's and the views' (not configuration).
 PADDED = (t.events, t.tombstones, t.task_owners, t.mem_versions, t.mem_marks, t.task_notes,
-          t.tasks_view, t.vectors, t.recall_audit_items)
+          t.tasks_view, t.vectors, t.recall_audit_items, t.mem_history)
 _VERBS = ("SELECT", "DELETE", "UPDATE", "WITH", "INSERT INTO MEM_VERSIONS (TENANT")
 
 
