@@ -24,7 +24,7 @@ from projections import embed_cache, lexical, reads
 from projections.embedding import Embedder, is_cached
 from projections.index_cache import LAG_WINDOW
 from projections.principal_index import Group, PrincipalIndex, cosine_scores, norm_key
-from projections.sql import PointQuery, point_rows, prefix_match
+from projections.sql import PointQuery, point_json_values, point_rows, prefix_match
 from projections.vectors import memory_text
 
 #: A long-term memory less similar than this to the query is not recalled.
@@ -128,8 +128,7 @@ def _recheck_statement(ids: Any, task: Any, session: Any) -> Any:
 #: call cost more than running it (5-8 ms on the loaded 2-core machine).
 _RECHECK_POINT: Final = {
     (has_task, has_session): PointQuery(_recheck_statement(
-        select(func.json_each(bindparam("ids")).table_valued("value").c.value)
-        .scalar_subquery(),
+        point_json_values("ids"),
         bindparam("task") if has_task else None,
         bindparam("session") if has_session else None))
     for has_task in (False, True) for has_session in (False, True)}
@@ -162,7 +161,7 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
     """
     values = {"tenant": who.tenant, "plen": len(who.prefix), "prefix": who.prefix,
               "now": now_us, "task": task, "session": session}
-    if store is not None and store.dialect == "sqlite":
+    if store is not None:  # point reads exist on SQLite files only (else None)
         pq = _RECHECK_POINT[(task is not None, session is not None)]
         rows = point_rows(store, pq, {**values, "ids": orjson.dumps(list(memory_ids)).decode()})
         if rows is not None:

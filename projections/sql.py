@@ -18,6 +18,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     String,
+    bindparam,
     cast,
     func,
     literal,
@@ -179,6 +180,14 @@ class PointQuery:
         """The positional parameters for `values` (by bind name)."""
         d = self.defaults
         return [values[n] if n in values else d[n] for n in self.names]
+
+
+def point_json_values(name: str) -> Any:
+    """For a `PointQuery` (SQLite): the values of a JSON array bound as `name`, as a
+    scalar subquery (`json_each`), so one compiled statement serves any number of
+    values (`IN (...)` would change with the list's length)."""
+    return select(func.json_each(bindparam(name)).table_valued("value").c.value
+                  ).scalar_subquery()
 
 
 def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
