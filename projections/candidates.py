@@ -161,7 +161,7 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
     """
     values = {"tenant": who.tenant, "plen": len(who.prefix), "prefix": who.prefix,
               "now": now_us, "task": task, "session": session}
-    if store is not None:  # point reads exist on SQLite files only (else None)
+    if store is not None and store.recorder.point_reads() is not None:  # SQLite files
         pq = _RECHECK_POINT[(task is not None, session is not None)]
         rows = point_rows(store, pq, {**values, "ids": orjson.dumps(list(memory_ids)).decode()})
         if rows is not None:

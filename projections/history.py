@@ -326,7 +326,7 @@ async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     emb = embedder_named(await recorded_embedder(conn))
     mh = t.mem_history.c
     known: dict[tuple[str, str], bytes] = {}
-    pairs = sorted({(r["tenant"], r["memory_id"]) for r in want} - set(known))
+    pairs = sorted({(r["tenant"], r["memory_id"]) for r in want})
     for chunk in chunks(pairs):
         q = select(mh.tenant, mh.memory_id, mh.vector).where(
             pairs_in(mh.tenant, mh.memory_id, chunk), mh.model == emb.name,
