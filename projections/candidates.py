@@ -5,6 +5,7 @@ against the active view (steps 2 and 3 of `projections.recall`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Sequence
@@ -266,31 +267,41 @@ async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Princ
             cands[m] = Candidate(float(sim), basis)
             if qvec is not None:
                 sem[m] = float(sim)
-    scores = idx.long_scores(qvec) if qvec is not None else None
-    if qtext is not None:
-        for m, (c, row) in _key_matches(idx, qtext, groups).items():
-            have = cands[m].relevance if m in cands else (
-                float(scores[row]) if scores is not None and row is not None else 0.0)
-            if c.relevance > have:
-                cands[m] = c
+    # The lexical arm's full-text match runs on another thread (`lexical.search`,
+    # `read_sql(beside=True)`) while this one scores the vectors: both release the GIL.
+    k = POOL + 4 * limit
+    lex_job: asyncio.Task[list[tuple[str, float]]] | None = None
+    if qtext is not None and qvec is not None and fusion()[0] != "semantic":
+        lex_job = asyncio.ensure_future(
+            lexical.search(conn, store, who, qtext, task=task, session=session, k=k))
+        await asyncio.sleep(0)  # let it reach its match before the scan takes this thread
+    try:
+        scores = idx.long_scores(qvec) if qvec is not None else None
+        if qtext is not None:
+            for m, (c, row) in _key_matches(idx, qtext, groups).items():
+                have = cands[m].relevance if m in cands else (
+                    float(scores[row]) if scores is not None and row is not None else 0.0)
+                if c.relevance > have:
+                    cands[m] = c
 
-    # Long-term neighbours, best first; fetched in growing rounds when re-checks drop
-    # many (a stale index), so a lagging index costs time, never correctness.
-    def ranked(k: int) -> NDArray[np.int64]:
-        if scores is None:
-            return idx.recency()[:k]
-        return _top(scores, k, MIN_RELEVANCE)
+        # Long-term neighbours, best first; fetched in growing rounds when re-checks
+        # drop many (a stale index), so a lagging index costs time, never correctness.
+        def ranked(k: int) -> NDArray[np.int64]:
+            if scores is None:
+                return idx.recency()[:k]
+            return _top(scores, k, MIN_RELEVANCE)
 
-    lag_ids = [m for m in lag if not idx.has(m)]
+        first = ranked(k)
+        lag_ids = [m for m in lag if not idx.has(m)]
+        lex = await lex_job if lex_job is not None else []
+    finally:
+        if lex_job is not None and not lex_job.done():
+            lex_job.cancel()
     valid: dict[str, Any] = {}
     checked: set[str] = set()
-    k = POOL + 4 * limit
-    lex: list[tuple[str, float]] = []
-    if qtext is not None and qvec is not None and fusion()[0] != "semantic":
-        lex = await lexical.search(conn, store, who, qtext, task=task, session=session, k=k)
     want = [*cands, *lag_ids, *(m for m, _ in lex)]
     for _round in range(4):
-        order = ranked(k)
+        order = first if _round == 0 else ranked(k)
         for i in order:
             mid = idx.ids[int(i)]
             if scores is not None:

@@ -9,6 +9,7 @@ writes one statement for both backends.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -204,14 +205,24 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
     return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 
 
-async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any]
-                   ) -> Sequence[Sequence[Any]]:
-    """The rows of one SQLite SELECT (`?` parameters): on the calling thread where the
-    store can (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit
-    read), else on `conn`."""
-    reader = store.recorder.point_reads() if store.vault is None else None
+async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any],
+                   *, beside: bool = False) -> Sequence[Sequence[Any]]:
+    """The rows of one SQLite SELECT (`?` parameters) of the lexical index (no sealed
+    column: the vault changes nothing here): on the calling thread where the store can
+    (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit read), else
+    on `conn`.
+
+    `beside`: the point read runs on a worker thread of the event loop (its own
+    `query_only` connection) while the caller goes on: SQLite releases the GIL while it
+    works, so a long statement (the full-text match) overlaps the caller's own work
+    (recall's vector scan, which numpy runs without the GIL) on a second core."""
+    reader = store.recorder.point_reads()
     if reader is not None:
-        rows = reader.rows(sql, params)
+        if beside:
+            rows = await asyncio.get_running_loop().run_in_executor(
+                None, reader.rows, sql, params)
+        else:
+            rows = reader.rows(sql, params)
         if rows is not None:
             return rows
     return (await conn.exec_driver_sql(sql, tuple(params))).all()
@@ -358,7 +369,7 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
                 *([session] if session is not None else [])]
 
         async def best(match: str, fk: int) -> tuple[list[tuple[str, Any]], bool]:
-            rows = await read_sql(store, conn, sql, [*head, match, fk])
+            rows = await read_sql(store, conn, sql, [*head, match, fk], beside=True)
             return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
 
         if scope_share is not None and scope_share >= unscoped_from:
