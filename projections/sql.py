@@ -191,16 +191,18 @@ def point_json_values(name: str) -> Any:
                   ).scalar_subquery()
 
 
-def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
+def point_rows(store: Store, q: PointQuery, values: dict[str, Any], *, opened: bool = True
                ) -> list[tuple[Any, ...]] | None:
     """The rows of `q` read on the calling thread (SQLite files, no thread hop), as
     the driver returns them; None where that cannot be done (PostgreSQL, an in-memory
-    database, a busy or missing file): the caller then runs `q.stmt` asynchronously."""
+    database, a busy or missing file): the caller then runs `q.stmt` asynchronously.
+    Sealed columns are opened unless `opened` is False (the caller opens the few rows
+    it keeps, `open_columns` with `q.sealed`)."""
     reader = store.recorder.point_reads()
     if reader is None:
         return None
     rows = reader.rows(q.sql, q.parameters(values))
-    if rows is None or store.vault is None or not q.sealed or not rows:
+    if rows is None or not opened or store.vault is None or not q.sealed or not rows:
         return rows
     return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 
