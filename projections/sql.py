@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import math
 import operator
+import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import (
@@ -207,6 +209,21 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any], *, opened: b
     return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 
 
+#: Worker threads for `read_sql(beside=True)`, per process (a forked child makes its
+#: own): few and long-lived, so their point-read connections stay warm (page cache,
+#: FTS5 structure) instead of one per thread of the loop's default executor.
+_BESIDE: dict[int, ThreadPoolExecutor] = {}
+
+
+def _beside_pool() -> ThreadPoolExecutor:
+    pid = os.getpid()
+    pool = _BESIDE.get(pid)
+    if pool is None:
+        _BESIDE.clear()
+        pool = _BESIDE[pid] = ThreadPoolExecutor(2, thread_name_prefix="memledger-match")
+    return pool
+
+
 async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any],
                    *, beside: bool = False) -> Sequence[Sequence[Any]]:
     """The rows of one SQLite SELECT (`?` parameters) of the lexical index (no sealed
@@ -222,7 +239,7 @@ async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequen
     if reader is not None:
         if beside:
             rows = await asyncio.get_running_loop().run_in_executor(
-                None, reader.rows, sql, params)
+                _beside_pool(), reader.rows, sql, params)
         else:
             rows = reader.rows(sql, params)
         if rows is not None:
