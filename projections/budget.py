@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
@@ -64,9 +65,11 @@ def task_tokens(task: dict[str, Any]) -> int:
 
 
 def fit(tasks: list[dict[str, Any]], ranked: list[tuple[Any, float, str]],
-        budget: int | None, limit: int
+        budget: int | None, limit: int, content: Callable[[Any], Any] | None = None
         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """Take tasks, then items in priority order, while they fit the budget and limit."""
+    """Take tasks, then items in priority order, while they fit the budget and limit.
+    `content` gives a ranked row with its content readable (recall opens sealed
+    values only for the rows it looks at here)."""
     used = 0
     picked_tasks: list[dict[str, Any]] = []
     for x in tasks:
@@ -79,7 +82,7 @@ def fit(tasks: list[dict[str, Any]], ranked: list[tuple[Any, float, str]],
     for r, rel, reason in ranked:
         if len(items) >= limit:
             break
-        item = reads.memory_item(r)
+        item = reads.memory_item(content(r) if content is not None else r)
         cost = item_tokens(item)
         if budget is not None and used + cost > budget:
             continue  # a smaller item further down may still fit

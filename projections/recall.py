@@ -35,7 +35,7 @@ from typing import Any
 from ledger.store import Store
 from projections import reads
 from projections.budget import fit
-from projections.candidates import lagging_writes, valid_candidates
+from projections.candidates import lagging_writes, opened, valid_candidates
 from projections.embedding import embed_queries
 from projections.index_cache import principal_index, read_positions
 from projections.ranking import rank, relevant_tasks
@@ -64,7 +64,8 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
         open_tasks = await reads.tasks(conn, who) if idx.task_ids or not settled else []
     items = rank(rows, cands, qtext is not None)
     chosen_tasks = relevant_tasks(open_tasks, idx, emb, qtext, qvec, task)
-    picked_tasks, picked, used = fit(chosen_tasks, items, budget, limit)
+    picked_tasks, picked, used = fit(chosen_tasks, items, budget, limit,
+                                     lambda r: opened(store, r))
     audit_id = await write_audit(store, who, qtext, picked, picked_tasks, now_us)
     return {"items": picked, "tasks": picked_tasks, "audit_id": audit_id,
             "tokens": used, "budget": budget}

@@ -9,9 +9,12 @@ writes one statement for both backends.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
+import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import (
@@ -190,28 +193,55 @@ def point_json_values(name: str) -> Any:
                   ).scalar_subquery()
 
 
-def point_rows(store: Store, q: PointQuery, values: dict[str, Any]
+def point_rows(store: Store, q: PointQuery, values: dict[str, Any], *, opened: bool = True
                ) -> list[tuple[Any, ...]] | None:
     """The rows of `q` read on the calling thread (SQLite files, no thread hop), as
     the driver returns them; None where that cannot be done (PostgreSQL, an in-memory
-    database, a busy or missing file): the caller then runs `q.stmt` asynchronously."""
+    database, a busy or missing file): the caller then runs `q.stmt` asynchronously.
+    Sealed columns are opened unless `opened` is False (the caller opens the few rows
+    it keeps, `open_columns` with `q.sealed`)."""
     reader = store.recorder.point_reads()
     if reader is None:
         return None
     rows = reader.rows(q.sql, q.parameters(values))
-    if rows is None or store.vault is None or not q.sealed or not rows:
+    if rows is None or not opened or store.vault is None or not q.sealed or not rows:
         return rows
     return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 
 
-async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any]
-                   ) -> Sequence[Sequence[Any]]:
-    """The rows of one SQLite SELECT (`?` parameters): on the calling thread where the
-    store can (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit
-    read), else on `conn`."""
-    reader = store.recorder.point_reads() if store.vault is None else None
+#: Worker threads for `read_sql(beside=True)`, per process (a forked child makes its
+#: own): few and long-lived, so their point-read connections stay warm (page cache,
+#: FTS5 structure) instead of one per thread of the loop's default executor.
+_BESIDE: dict[int, ThreadPoolExecutor] = {}
+
+
+def _beside_pool() -> ThreadPoolExecutor:
+    pid = os.getpid()
+    pool = _BESIDE.get(pid)
+    if pool is None:
+        _BESIDE.clear()
+        pool = _BESIDE[pid] = ThreadPoolExecutor(2, thread_name_prefix="memledger-match")
+    return pool
+
+
+async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequence[Any],
+                   *, beside: bool = False) -> Sequence[Sequence[Any]]:
+    """The rows of one SQLite SELECT (`?` parameters) of the lexical index (no sealed
+    column: the vault changes nothing here): on the calling thread where the store can
+    (`point_rows`' reader: no hop to the driver's thread, a fresh autocommit read), else
+    on `conn`.
+
+    `beside`: the point read runs on a worker thread of the event loop (its own
+    `query_only` connection) while the caller goes on: SQLite releases the GIL while it
+    works, so a long statement (the full-text match) overlaps the caller's own work
+    (recall's vector scan, which numpy runs without the GIL) on a second core."""
+    reader = store.recorder.point_reads()
     if reader is not None:
-        rows = reader.rows(sql, params)
+        if beside:
+            rows = await asyncio.get_running_loop().run_in_executor(
+                _beside_pool(), reader.rows, sql, params)
+        else:
+            rows = reader.rows(sql, params)
         if rows is not None:
             return rows
     return (await conn.exec_driver_sql(sql, tuple(params))).all()
@@ -358,7 +388,7 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
                 *([session] if session is not None else [])]
 
         async def best(match: str, fk: int) -> tuple[list[tuple[str, Any]], bool]:
-            rows = await read_sql(store, conn, sql, [*head, match, fk])
+            rows = await read_sql(store, conn, sql, [*head, match, fk], beside=True)
             return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
 
         if scope_share is not None and scope_share >= unscoped_from:

@@ -5,7 +5,12 @@
 - the term document counts are cached while the index is unchanged, and follow it when
   it changes;
 - the re-check on the calling thread (SQLite point reads) returns the same rows as the
-  statement on the read connection: tombstones, expiry, layers and scope included.
+  statement on the read connection: tombstones, expiry, layers and scope included;
+- recall's re-check leaves sealed content sealed (vault on) and opens only the rows it
+  returns: the opened rows are the plain path's, and a memory forgotten between the
+  re-check and the opening opens as nothing (R20);
+- the lexical arm's match on a worker thread, beside the vector scan, gives the same
+  answer as the plain sequential search.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from sqlalchemy import text
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections import lexical, reads
-from projections.candidates import recheck
+from projections.candidates import SealedVersionRow, opened, recheck
 from projections.lexical import frequent_terms, search
+from projections.recall import recall
 from projections.runner import Runner
 from tests.factories import event, src, write
 
@@ -159,3 +165,65 @@ async def test_point_recheck_any_id_list(store: Store, ids: list[str]) -> None:
     assert await valid_rows(store, ids, task=None, session=None, point=True) == plain
     assert {r[0] for r in plain} == {"A"} & set(ids)
 
+
+
+async def test_sealed_recheck_opens_like_the_plain_path(store: Store) -> None:
+    """Rows re-checked with `sealed=True` open (`opened`) to exactly the rows of the
+    plain path; on SQLite with the vault on they are read sealed (R14, R15, R25)."""
+    await append(store, write("lang", "reply in Chinese", memory_id="A", source=src(at=at(1))),
+                 write("drink", "tea, no sugar", memory_id="B", source=src(at=at(1))),
+                 write("plan", "weekly walk", memory_id="C", layer="session",
+                       session_id="C18", source=src(sid="C18", at=at(1))))
+    await Runner(store).catch_up()
+    async with store.read() as conn:
+        plain = await recheck(conn, U7, ["A", "B", "C"], now_us=NOW, task=None,
+                              session="C18")
+        lazy = await recheck(conn, U7, ["A", "B", "C"], now_us=NOW, task=None,
+                             session="C18", store=store, sealed=True)
+    point = store.dialect == "sqlite"
+    assert all(isinstance(r, SealedVersionRow) for r in lazy) == point
+    if point and store.vault is not None:
+        assert all(r.value != p.value for r, p in zip(sorted(lazy), sorted(plain),
+                                                       strict=True))
+    assert sorted(tuple(opened(store, r)) for r in lazy) == sorted(tuple(r) for r in plain)
+    assert {reads.memory_item(opened(store, r))["value"] for r in lazy} == \
+        {"reply in Chinese", "tea, no sugar", "weekly walk"}
+
+
+async def test_forget_between_recheck_and_opening(store: Store) -> None:
+    """A memory forgotten after the re-check read it and before it is opened reads as
+    nothing: its key is erased, so its sealed value opens as None (R20)."""
+    await append(store, write("lang", "reply in Chinese", memory_id="A", source=src(at=at(1))))
+    await Runner(store).catch_up()
+    async with store.read() as conn:
+        rows = await recheck(conn, U7, ["A"], now_us=NOW, task=None, session=None,
+                             store=store, sealed=True)
+    assert len(rows) == 1
+    await append(store, event("memory.forgotten", {"memory_id": "A"}, source=src(at=at(3))))
+    await Runner(store).catch_up()
+    if isinstance(rows[0], SealedVersionRow) and store.vault is not None:
+        assert opened(store, rows[0]).value is None
+    got = await recall(store, "shop-a/u7", query="reply language", session=None, task=None,
+                       budget=None, limit=5, now_us=NOW)
+    assert got["items"] == []
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=4))
+async def test_recall_lexical_beside_matches_sequential(store: Store, words: list[str]
+                                                       ) -> None:
+    """For any query, the lexical arm run beside the vector scan (inside `recall`) finds
+    what `search` finds alone, in the same order and with the same scores."""
+    if not await store.head():
+        await corpus(store, random.Random(3), 60, 20)
+    query = " ".join(words)
+    async with store.read() as conn:
+        alone = await search(conn, store, U7, query, task=None, session=None, k=68)
+    got = await recall(store, "shop-a/u7", query=query, session=None, task=None,
+                       budget=None, limit=5, now_us=NOW)
+    lexical_ids = [m for m, _ in alone]
+    for item in got["items"]:
+        if "lexical" in item["reason"]:
+            assert item["memory_id"] in lexical_ids
+    assert all(m.startswith("M") for m in lexical_ids)  # u7's own memories only (R24)
