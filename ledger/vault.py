@@ -7,17 +7,34 @@ store apart from the ledger database and from every backup; a forget destroys th
 of what it covers, so every copy of the ciphertext (a backup file, a copy of the
 database file) becomes unreadable at once.
 
-**Granularity: one key per content event**, key id = a hash of (tenant, idempotency
-key). A forget covers events one by one, by their source order (`ledger.forgets`): a
-forget by key covers that key's writes with order <= F but not a later write in the
-same slot, and a prefix forget covers a task's notes up to F but not a later note. A
-key per slot or per task would either destroy content the forget does not cover or
-force re-encrypting it; a key per event maps every forget (by memory id, by key, by
-prefix, a task purge) to exactly the keys of the events it covers, found by the same
-rule in SQL over the envelope columns, and nothing is ever re-encrypted. The id is
-derived from the envelope, so finding a covered event's key needs no lookup table, and
-(tenant, idempotency key) is unique in the ledger, so an id is never used twice; a
-fenced id is refused by `provision` all the same.
+**Granularity: one key per content event.** A forget covers events one by one, by
+their source order (`ledger.forgets`): a forget by key covers that key's writes with
+order <= F but not a later write in the same slot, and a prefix forget covers a task's
+notes up to F but not a later note. A key per slot or per task would either destroy
+content the forget does not cover or force re-encrypting it; a key per event maps
+every forget (by memory id, by key, by prefix, a task purge) to exactly the keys of
+the events it covers, and nothing is ever re-encrypted.
+
+**The key pool.** A key must be durable in the key store no later than the event it
+seals (SQLite commits are not fsynced in WAL with synchronous=NORMAL, so a key written
+with the event but not synced could be lost while the event survives). Rather than
+one key-store fsync per group commit, the vault provisions keys ahead, in pools
+(`KeyStore.provision_pool`: N random 128-bit ids, one write and one fsync, or one
+INSERT of N rows; 64 keys first, doubling up to `POOL_MAX`), and each content event
+takes a fresh one (`Vault.take`). The id of the key an event used is the one in its
+sealed header (`sealed_key_id`), durable with the event itself: projections read it
+with the payload (`keyed`, `StoredEvent.key_id`) and seal the view copies under the
+same key; a forget finds the covered events by the forget rule in SQL over the
+envelope columns and reads their keys from the payload headers (`substr` of the
+payload, `projections.erasure.shred_keys`). Pool ids are checked against the present
+keys and the fence like any id: a taken or fenced one refuses the batch, which is
+drawn again. Unused pool keys are removed (not fenced) when the vault closes
+cleanly; after a crash they remain as keys of nothing, harmless. Ledgers sealed
+before the pool hold ids derived from the envelope (`key_id`, `memory_key_id`) in
+their headers, and work unchanged since every reader takes the id from the header;
+`subject_of` (the derived id) is still consulted where a payload in clear meets the
+fence (a restore of a clear backup, `vault encrypt`). Task summaries, which belong to
+no one event, keep a derived id per task (`summary_key_id`).
 
 **What stays in clear:** the envelope, positions, the hash chain and the content digest
 (the SHA-256 of the canonical plaintext event), so `replay verify` proves the chain
@@ -341,7 +358,7 @@ class FileKeyStore(KeyStore):
     fence (no bytes), `D` a destroyed key (its bytes zeroed). Writers take an exclusive
     `flock` on the file, read what other processes appended since their last look,
     append their records in one write and fsync before they return: one fsync for
-    every key a group commit provisions. Destroying a key appends its fence record and
+    a whole pool of keys (`KeyStore.provision_pool`). Destroying a key appends its fence record and
     fsyncs first, then overwrites the key's record in place with a `D` record of the
     same length, and fsyncs. A crash between the two leaves a fenced key, which counts
     as destroyed and is overwritten at the next open; a crash in the middle of an
