@@ -40,7 +40,7 @@ from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import DatabaseCorrupt, StoreUnavailable
 from ledger.records import StoredEvent, stored_from_row
-from ledger.vault import Vault
+from ledger.vault import Vault, keyed
 
 STORED_COLUMNS: Final = (
     t.events.c.position, t.events.c.tenant, t.events.c.type, t.events.c.idempotency_key,
@@ -48,8 +48,9 @@ STORED_COLUMNS: Final = (
     t.events.c.source_seq, t.events.c.source_event_id, t.events.c.order_key,
     t.events.c.slot, t.events.c.memory_id, t.events.c.ns_path, t.events.c.mkey,
     t.events.c.layer, t.events.c.task_key, t.events.c.recorded_at, t.events.c.suppressed,
-    t.events.c.redacted, t.events.c.content_digest, t.events.c.payload,
-    t.events.c.supersedes,
+    t.events.c.redacted, t.events.c.content_digest,
+    # With the key id of a sealed payload: view copies are sealed under it.
+    keyed(t.events.c.payload), t.events.c.supersedes,
 )
 #: The `events` columns in table order (the order `insert_events` rows are written in).
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ledger.events import Event, Source, parse_rfc3339, to_us
+from ledger.vault import split_keyed
 
 
 def now_iso() -> str:
@@ -53,6 +54,9 @@ class StoredEvent:
     content_digest: str
     event: Event | None = field(default=None, compare=False)
     supersedes: str | None = None
+    #: The id of the data key its payload is sealed under (ledger/vault.py), or None
+    #: (stored in clear, or no content): view copies of its content use the same key.
+    key_id: str | None = field(default=None, compare=False)
 
     @property
     def has_content(self) -> bool:
@@ -76,8 +80,9 @@ def event_from_wire(obj: dict[str, Any], source: Source | None = None) -> Event:
 
 def stored_from_row(r: Sequence[Any]) -> StoredEvent:
     """Build a `StoredEvent` from a row selected with `ledger.recorder.STORED_COLUMNS`."""
-    payload = r[21]
+    payload, kid = split_keyed(r[21])
     src = Source(r[5], r[6], r[7], r[8], r[9], to_us(parse_rfc3339(r[7])))
     ev = event_from_wire(orjson.loads(payload), src) if payload is not None else None
     return StoredEvent(r[0], r[1], r[2], r[3], r[4], src, bytes(r[10]), r[11], r[12], r[13],
-                       r[14], r[15], r[16], r[17], bool(r[18]), bool(r[19]), r[20], ev, r[22])
+                       r[14], r[15], r[16], r[17], bool(r[18]), bool(r[19]), r[20], ev, r[22],
+                       kid)

@@ -7,17 +7,34 @@ store apart from the ledger database and from every backup; a forget destroys th
 of what it covers, so every copy of the ciphertext (a backup file, a copy of the
 database file) becomes unreadable at once.
 
-**Granularity: one key per content event**, key id = a hash of (tenant, idempotency
-key). A forget covers events one by one, by their source order (`ledger.forgets`): a
-forget by key covers that key's writes with order <= F but not a later write in the
-same slot, and a prefix forget covers a task's notes up to F but not a later note. A
-key per slot or per task would either destroy content the forget does not cover or
-force re-encrypting it; a key per event maps every forget (by memory id, by key, by
-prefix, a task purge) to exactly the keys of the events it covers, found by the same
-rule in SQL over the envelope columns, and nothing is ever re-encrypted. The id is
-derived from the envelope, so finding a covered event's key needs no lookup table, and
-(tenant, idempotency key) is unique in the ledger, so an id is never used twice; a
-fenced id is refused by `provision` all the same.
+**Granularity: one key per content event.** A forget covers events one by one, by
+their source order (`ledger.forgets`): a forget by key covers that key's writes with
+order <= F but not a later write in the same slot, and a prefix forget covers a task's
+notes up to F but not a later note. A key per slot or per task would either destroy
+content the forget does not cover or force re-encrypting it; a key per event maps
+every forget (by memory id, by key, by prefix, a task purge) to exactly the keys of
+the events it covers, and nothing is ever re-encrypted.
+
+**The key pool.** A key must be durable in the key store no later than the event it
+seals (SQLite commits are not fsynced in WAL with synchronous=NORMAL, so a key written
+with the event but not synced could be lost while the event survives). Rather than
+one key-store fsync per group commit, the vault provisions keys ahead, in pools
+(`KeyStore.provision_pool`: N random 128-bit ids, one write and one fsync, or one
+INSERT of N rows; 64 keys first, doubling up to `POOL_MAX`), and each content event
+takes a fresh one (`Vault.take`). The id of the key an event used is the one in its
+sealed header (`sealed_key_id`), durable with the event itself: projections read it
+with the payload (`keyed`, `StoredEvent.key_id`) and seal the view copies under the
+same key; a forget finds the covered events by the forget rule in SQL over the
+envelope columns and reads their keys from the payload headers (`substr` of the
+payload, `projections.erasure.shred_keys`). Pool ids are checked against the present
+keys and the fence like any id: a taken or fenced one refuses the batch, which is
+drawn again. Unused pool keys are removed (not fenced) when the vault closes
+cleanly; after a crash they remain as keys of nothing, harmless. Ledgers sealed
+before the pool hold ids derived from the envelope (`key_id`, `memory_key_id`) in
+their headers, and work unchanged since every reader takes the id from the header;
+`subject_of` (the derived id) is still consulted where a payload in clear meets the
+fence (a restore of a clear backup, `vault encrypt`). Task summaries, which belong to
+no one event, keep a derived id per task (`summary_key_id`).
 
 **What stays in clear:** the envelope, positions, the hash chain and the content digest
 (the SHA-256 of the canonical plaintext event), so `replay verify` proves the chain
@@ -56,7 +73,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import LargeBinary, Text
+from sqlalchemy import LargeBinary, Text, type_coerce
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
@@ -70,6 +87,11 @@ NONCE_BYTES: Final = 12
 HEADER: Final = len(MAGIC) + KEY_ID_BYTES
 #: How many ciphers a vault keeps built (`Vault._cache`).
 CIPHER_CACHE: Final = 1 << 16
+#: Keys a vault's first pool holds (`Vault.seal_rows`); each refill doubles it up to
+#: `POOL_MAX`, so a short-lived process provisions few keys it never uses and a busy
+#: one provisions (and fsyncs) once per `POOL_MAX` content events.
+POOL_FIRST: Final = 64
+POOL_MAX: Final = 4096
 #: Event types whose payload is content a forget erases (sealed); the others (forgets,
 #: purges, marks) keep their payload in clear, as erasure keeps it.
 SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
@@ -262,10 +284,16 @@ class KeyStore(ABC):
         """Which of `ids` are fenced (destroyed; never provisioned again)."""
 
     @abstractmethod
-    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
+    def _provision(self, want: Sequence[str], *, fresh: bool = False) -> dict[str, bytes]:
         """Every key of `want`: those present, and new ones for the rest, stored durably
         before it returns; `KeyFenced` if any of the rest is fenced. Atomic against
-        other processes' provisioning and fencing of the same ids."""
+        other processes' provisioning and fencing of the same ids. `fresh`: every id
+        must be new (neither present nor fenced), else `KeyFenced` and nothing stored."""
+
+    @abstractmethod
+    def _release(self, ids: Sequence[str]) -> None:
+        """Remove the keys of `ids` without fencing them (pool keys that sealed
+        nothing: `Vault.close`)."""
 
     @abstractmethod
     def _fence(self, ids: Sequence[str]) -> None:
@@ -290,6 +318,25 @@ class KeyStore(ABC):
         want = sorted(set(ids))
         return self._provision(want) if want else {}
 
+    def provision_pool(self, n: int) -> dict[str, bytes]:
+        """`n` new keys under random 128-bit ids, stored durably (one write and one
+        fsync, or one INSERT) before it returns. An id that is present or fenced
+        (a collision: about 2**-128 a pair) is never reused: the batch is drawn again."""
+        for _ in range(8):
+            ids = sorted({os.urandom(KEY_ID_BYTES).hex() for _ in range(n)})
+            try:
+                return self._provision(ids, fresh=True)
+            except KeyFenced:
+                continue
+        raise VaultError("the key store refused eight batches of random key ids: its "
+                         "random source is broken")
+
+    def release(self, ids: Iterable[str]) -> None:
+        """Remove keys that sealed nothing (unused pool keys), without fencing them."""
+        want = sorted(set(ids))
+        if want:
+            self._release(want)
+
     def destroy(self, ids: Iterable[str]) -> int:
         """Fence `ids` durably, then remove their keys; returns how many were fenced now."""
         want = sorted(set(ids))
@@ -311,7 +358,7 @@ class FileKeyStore(KeyStore):
     fence (no bytes), `D` a destroyed key (its bytes zeroed). Writers take an exclusive
     `flock` on the file, read what other processes appended since their last look,
     append their records in one write and fsync before they return: one fsync for
-    every key a group commit provisions. Destroying a key appends its fence record and
+    a whole pool of keys (`KeyStore.provision_pool`). Destroying a key appends its fence record and
     fsyncs first, then overwrites the key's record in place with a `D` record of the
     same length, and fsyncs. A crash between the two leaves a fenced key, which counts
     as destroyed and is overwritten at the next open; a crash in the middle of an
@@ -520,16 +567,17 @@ class FileKeyStore(KeyStore):
             self._refresh()
             return {k for k in ids if k in self._fences}
 
-    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
+    def _provision(self, want: Sequence[str], *, fresh: bool = False) -> dict[str, bytes]:
         with self._lock:
             self._refresh()  # a fence another process wrote since counts
-            if all(k in self._keys and k not in self._fences for k in want):
+            if not fresh and all(k in self._keys and k not in self._fences for k in want):
                 return {k: self._unwrapped(k) for k in want}
             fd = self._open_fd(create=True)
             assert fd is not None
             with _flocked(fd):
                 self._read_tail(fd, writer=True)
-                _refuse_fenced([k for k in want if k in self._fences])
+                _refuse_fenced([k for k in want if k in self._fences
+                                or (fresh and k in self._keys)])
                 have = {k: self._unwrapped(k) for k in want if k in self._keys}
                 new = self._new_keys([k for k in want if k not in have])
                 if new:
@@ -565,6 +613,15 @@ class FileKeyStore(KeyStore):
             with _flocked(fd):
                 self._read_tail(fd, writer=True)
                 self._overwrite(fd, [k for k in ids if k in self._fences])
+
+    def _release(self, ids: Sequence[str]) -> None:
+        with self._lock:
+            fd = self._open_fd(create=False)
+            if fd is None:
+                return
+            with _flocked(fd):
+                self._read_tail(fd, writer=True)
+                self._overwrite(fd, ids)
 
     def close(self) -> None:
         with self._lock:
@@ -684,12 +741,15 @@ class PostgresKeyStore(KeyStore):
                                       "WHERE key_id = ANY($1::text[])", wanted))
         return {r[0] for r in self._run(q())} if wanted else set()
 
-    def _provision(self, want: Sequence[str]) -> dict[str, bytes]:
+    def _provision(self, want: Sequence[str], *, fresh: bool = False) -> dict[str, bytes]:
         # No shortcut through the cache: another process may have fenced a cached id.
         new = self._new_keys(want)
         s = self.schema
+        taken = "" if fresh else " ON CONFLICT DO NOTHING"
 
         async def q() -> list[Any]:
+            import asyncpg
+
             c = await self._connection()
             async with c.transaction():
                 # The fence is checked inside the transaction that inserts, with the
@@ -700,19 +760,37 @@ class PostgresKeyStore(KeyStore):
                 if hit:
                     raise KeyFenced(f"{hit} data key(s) were destroyed by a forget and "
                                     "are never provisioned again")
-                await c.executemany(
-                    f'INSERT INTO "{s}".data_keys (key_id, wrapped) '
-                    "VALUES ($1, $2) ON CONFLICT DO NOTHING",
-                    [(k, w) for k, (_, w) in new.items()])
+                # One INSERT of every row (a pool is hundreds of keys).
+                try:
+                    await c.execute(
+                        f'INSERT INTO "{s}".data_keys (key_id, wrapped) '
+                        "SELECT * FROM unnest($1::text[], $2::bytea[])" + taken,
+                        list(new), [w for _, w in new.values()])
+                except asyncpg.UniqueViolationError:
+                    raise KeyFenced("a new key id is taken already") from None
+                if fresh:
+                    return []
                 # What is stored now, ours or another process's key of the same id.
                 return list(await c.fetch(
                     f'SELECT key_id, wrapped FROM "{s}".data_keys '
                     "WHERE key_id = ANY($1::text[])", list(new)))
-        for r in self._run(q()):
+        rows = self._run(q())
+        if fresh:
+            self._cache.update({k: key for k, (key, _) in new.items()})
+        for r in rows:
             mine = new[r[0]]
             self._cache[r[0]] = mine[0] if bytes(r[1]) == mine[1] else \
                 self.wrapper.unwrap(r[0], bytes(r[1]))
         return {k: self._cache[k] for k in want if k in self._cache}
+
+    def _release(self, ids: Sequence[str]) -> None:
+        async def q() -> None:
+            c = await self._connection()
+            await c.execute(f'DELETE FROM "{self.schema}".data_keys '
+                            "WHERE key_id = ANY($1::text[])", list(ids))
+        self._run(q())
+        for k in ids:
+            self._cache.pop(k, None)
 
     def _fence(self, ids: Sequence[str]) -> None:
         async def q() -> None:
@@ -864,6 +942,11 @@ class Vault:
         # when the key is destroyed; bounded, oldest first, so a long-running process
         # does not keep one per event it ever saw.
         self._cache: dict[str, tuple[AESGCM, bytes]] = {}
+        # The key pool: ids of durable keys that have sealed nothing yet, newest last.
+        self._pool: list[str] = []
+        self._pool_keys: dict[str, bytes] = {}
+        self._pool_next = POOL_FIRST
+        self._pool_lock = threading.Lock()
 
     def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
         cache = self._cache
@@ -881,24 +964,38 @@ class Vault:
                 entry = self._put(kid, raw)
         return entry
 
+    def take(self, n: int) -> list[str]:
+        """`n` fresh key ids from the pool, each durable in the key store already and
+        never handed out again (refilled, one durable write, when it runs short)."""
+        with self._pool_lock:
+            pool = self._pool
+            while len(pool) < n:
+                size = max(self._pool_next, n - len(pool))
+                self._pool_next = min(self._pool_next * 2, POOL_MAX)
+                got = self.keys.provision_pool(size)
+                self._pool_keys.update(got)
+                pool[:0] = list(got)  # taken from the end: what was left goes first
+            out = pool[len(pool) - n:]
+            del pool[len(pool) - n:]
+            keys = self._pool_keys
+            for k in out:
+                self._put(k, keys.pop(k))
+            return out
+
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Encrypt, in place, the payload of every content row (one durable key
-        provisioning for the whole batch)."""
+        """Encrypt, in place, the payload of every content row, each under a fresh key
+        of the pool (durable before this returns: no fsync here unless the pool ran
+        short). The key id goes into the sealed payload's header, which is durable with
+        the event itself."""
         todo = [r for r in rows if r["type"] in SEALED_TYPES and r["payload"] is not None
                 and not is_sealed(r["payload"])]
         if not todo:
             return
-        ids = [subject_of(r["tenant"], r["type"], r["memory_id"], r["idempotency_key"])
-               for r in todo]
+        ids = self.take(len(todo))
         cache = self._cache
-        got = {k: cache[k] for k in ids if k in cache}
-        missing = [k for k in ids if k not in got]
-        if missing:
-            for k, v in self.keys.provision(missing).items():
-                got[k] = self._put(k, v)
         nonces = os.urandom(NONCE_BYTES * len(todo))  # one call for the batch
         for i, (r, kid) in enumerate(zip(todo, ids, strict=True)):
-            aead, head = got[kid]
+            aead, head = cache[kid]
             nonce = nonces[i * NONCE_BYTES:(i + 1) * NONCE_BYTES]
             r["payload"] = head + nonce + aead.encrypt(nonce, r["payload"], head)
 
@@ -959,7 +1056,13 @@ class Vault:
         return self.keys.fenced(ids)
 
     def close(self) -> None:
-        """Release the key store."""
+        """Remove the pool's unused keys (they sealed nothing), release the key store.
+        After a crash they stay in the store: keys of nothing, harmless."""
+        with self._pool_lock:
+            unused, self._pool = self._pool, []
+            self._pool_keys.clear()
+        if unused:
+            self.keys.release(unused)
         self._cache.clear()
         self.keys.close()
 
@@ -999,14 +1102,13 @@ class SubjectText(str):
 
 def dead_letter(vault: Vault | None, tenant: str | None, data: bytes) -> bytes:
     """A dead letter's payload on its way into `dead_letters.payload` (a `SealedView`):
-    with the vault on, the content of a subject of its own, under a fresh key (a
+    with the vault on, the content of a subject of its own, under a fresh pool key (a
     rejected event has no place in the ledger, so no envelope names its key; the key
     id is in the sealed bytes, and erasure destroys it when a forget names what the
     dead letter names, `projections.erasure.shred_dead_letters`)."""
     if vault is None:
         return data
-    kid = key_id(tenant or "", "\x00dead\x00" + os.urandom(KEY_ID_BYTES).hex())
-    vault.ensure([kid])
+    (kid,) = vault.take(1)
     return Subject(data, kid)
 
 
@@ -1120,6 +1222,72 @@ class SealedPayload(TypeDecorator[bytes]):
         vault = _vault_of(dialect)
         blob = bytes(value)
         return None if vault is None else vault.open(blob)
+
+
+class KeyedPayload(SealedPayload):
+    """`SealedPayload` that also tells which key sealed a payload: a sealed value reads
+    as `(plaintext, key id)` (plaintext None once the key is destroyed, or without a
+    vault), one in clear as it is (`split_keyed` takes either apart). For readers
+    whose view copies are sealed under the event's own key (`keyed`)."""
+
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or not is_sealed(value):
+            return value
+        blob = bytes(value)
+        vault = _vault_of(dialect)
+        return (None if vault is None else vault.open(blob)), sealed_key_id(blob)
+
+
+class KeyedView(SealedView):
+    """`SealedView` read as `(plaintext, key id)` when sealed (`KeyedPayload`)."""
+
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or not is_sealed(value):
+            return value
+        blob = bytes(value)
+        vault = _vault_of(dialect)
+        return (None if vault is None else vault.open(blob)), sealed_key_id(blob)
+
+
+class KeyedText(SealedText):
+    """`SealedText` read as `(text, key id)` when sealed (`KeyedPayload`)."""
+
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or not value.startswith(TEXT_MAGIC):
+            return value
+        blob = base64.b64decode(value[len(TEXT_MAGIC):])
+        vault = _vault_of(dialect)
+        plain = None if vault is None else vault.open(blob)
+        return (None if plain is None else plain.decode()), sealed_key_id(blob)
+
+
+_KEYED: Final[dict[type, type[TypeDecorator[Any]]]] = {
+    SealedPayload: KeyedPayload, SealedView: KeyedView, SealedText: KeyedText}
+
+
+def keyed(column: Any) -> Any:
+    """A sealed column (`events.payload`, `mem_versions.value` / `.text`) selected so
+    that it reads with its key id (`split_keyed`), under its own name."""
+    return type_coerce(column, _KEYED[type(column.type)]()).label(column.name)
+
+
+def split_keyed(value: Any) -> tuple[Any, str | None]:
+    """(content, key id) of a value read through `keyed`: a sealed one gives the id
+    in its header (with content None if it could not be opened), one in clear no id.
+    A sealed value read raw (no vault: not opened) gives no content and its id."""
+    if type(value) is tuple:
+        return value
+    if isinstance(value, bytes | bytearray | memoryview) and value[:1] == MAGIC[:1]:
+        raw = bytes(value[:HEADER])
+        if is_sealed(raw):
+            return None, sealed_key_id(raw)
+    return value, None
 
 
 def sealed_columns(stmt: Any) -> tuple[tuple[int, Any], ...]:

@@ -63,6 +63,7 @@ from ledger.forgets import tombstone_from_row
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import stored_from_row
 from ledger.store import Store
+from ledger.vault import keyed
 from projections.memory import (
     WRITE_COLUMNS,
     WriteFact,
@@ -143,7 +144,8 @@ def _writes_query() -> tuple[Any, Any]:
     e = t.events.alias("e")
     mk = t.mem_marks.c
     has_marks = exists().where(mk.tenant == e.c.tenant, mk.target == e.c.memory_id)
-    return select(*[e.c[c] for c in WRITE_COLUMNS], has_marks), e
+    return select(*[keyed(e.c[c]) if c == "payload" else e.c[c] for c in WRITE_COLUMNS],
+                  has_marks), e
 
 
 async def _resolve(store: Store, conn: AsyncConnection, q: Any, head: int

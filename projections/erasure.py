@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import LargeBinary, select, type_coerce, update
+from sqlalchemy import LargeBinary, func, select, type_coerce, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -22,7 +22,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import Recorder
 from ledger.records import StoredEvent
 from ledger.store import Store
-from ledger.vault import is_sealed, sealed_key_id, subject_of, summary_key_id
+from ledger.vault import HEADER, is_sealed, sealed_key_id, summary_key_id
 from projections.sql import chunks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -134,9 +134,13 @@ async def shred_keys(store: Store, conn: AsyncConnection, ts: Tombstone) -> int:
     if store.vault is None:
         return 0
     ev = t.events.c
-    rows = (await conn.execute(select(ev.tenant, ev.type, ev.memory_id, ev.idempotency_key)
-                               .where(covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES)))).all()
-    kids = [subject_of(r[0], r[1], r[2], r[3]) for r in rows]
+    # The key of each covered event is the one its sealed payload names (ledger.vault:
+    # a pool key, or on a ledger sealed before the pool a derived id): the header is
+    # read in SQL, the payload is not opened.
+    head = func.substr(type_coerce(ev.payload, LargeBinary), 1, HEADER)
+    rows = (await conn.execute(select(head).where(
+        covers_sql(ts, ev), ev.type.in_(CONTENT_TYPES), ev.payload.is_not(None)))).all()
+    kids = [sealed_key_id(bytes(r[0])) for r in rows if is_sealed(bytes(r[0]))]
     # The summary keys of the tasks it reaches as a whole (a purge, a prefix forget of
     # the owner), found through the ledger's task owners: the tasks view may lag.
     to = t.task_owners.c

@@ -42,6 +42,7 @@ from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
 from ledger.recorder import STORED_COLUMNS, pairs_in
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
+from ledger.vault import keyed
 from projections.embed_cache import cached, digest
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
@@ -271,7 +272,7 @@ async def _tenant(store: Store, conn: AsyncConnection, tenant: str,
     slots = sorted(at)
     facts: dict[str, list[WriteFact]] = {}
     erased: set[str] = set()
-    cols = [ev[c] for c in WRITE_COLUMNS]
+    cols = [keyed(ev[c]) if c == "payload" else ev[c] for c in WRITE_COLUMNS]
     for chunk in chunks(slots):
         q = select(*cols).where(ev.tenant == tenant, ev.slot.in_(chunk),
                                 ev.type.in_(writes_t), ev.position <= hi)

@@ -26,7 +26,14 @@ from ledger.events import (
 )
 from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.records import StoredEvent
-from ledger.vault import is_sealed, memory_key_id, subject, subject_text
+from ledger.vault import (
+    SealedText,
+    SealedView,
+    keyed,
+    split_keyed,
+    subject,
+    subject_text,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +80,10 @@ class Mark:
 def _fact(tenant: str, memory_id: str, slot: str, nsp: str, key: str, layer: str | None,
           task_key: str | None, position: int, order: bytes, actor: str,
           source: dict[str, Any], data: Mapping[str, Any], supersedes: str | None,
-          suppressed: bool) -> WriteFact:
+          suppressed: bool, kid: str | None) -> WriteFact:
     """A write fact from the envelope's fields, the source's wire form and the `data`
-    (empty once the content is erased)."""
-    kid = memory_key_id(tenant, memory_id)
+    (empty once the content is erased); `kid`: the key its event's payload is sealed
+    under, which seals the view's copies too (None: the payload is in clear)."""
     return WriteFact(
         tenant=tenant, memory_id=memory_id, slot=slot, ns_path=nsp, key=key,
         layer=layer or "long", task_key=task_key, session_id=data.get("session_id"),
@@ -84,8 +91,8 @@ def _fact(tenant: str, memory_id: str, slot: str, nsp: str, key: str, layer: str
         candidate=layer == "long" and source["kind"] in CANDIDATE_KINDS, actor=actor,
         source=encode_json({**source, "actor": actor}),
         # Content bytes carry their subject's key id: the view seals them (ledger.vault).
-        value=subject(encode_json(data["value"]), kid) if "value" in data else None,
-        text=subject_text(data.get("text"), kid), scope=data.get("scope"),
+        value=subject(encode_json(data["value"]), kid or "") if "value" in data else None,
+        text=subject_text(data.get("text"), kid or ""), scope=data.get("scope"),
         supersedes=supersedes,
         expires_at=data.get("expires_at"), suppressed=suppressed,
     )
@@ -107,12 +114,13 @@ def write_fact_of_row(r: Sequence[Any]) -> WriteFact:
     """
     (position, tenant, actor, kind, sid, at, seq, event_id, order, slot, memory_id, nsp,
      key, layer, task_key, supersedes, suppressed, payload) = r
-    if is_sealed(payload):  # read raw and not opened: no vault here, so no content
-        payload = None
+    # Read through `keyed`: content and key id; a sealed payload read raw (no vault
+    # here, so not opened) has no content.
+    payload, kid = split_keyed(payload)
     data = orjson.loads(payload)["data"] if payload is not None else {}
     return _fact(tenant, memory_id, slot, nsp, key, layer, task_key, int(position),
                  bytes(order), actor, source_wire(kind, sid, at, seq, event_id), data,
-                 supersedes, bool(suppressed) or payload is None)
+                 supersedes, bool(suppressed) or payload is None, kid)
 
 
 def write_fact(se: StoredEvent) -> WriteFact:
@@ -121,7 +129,7 @@ def write_fact(se: StoredEvent) -> WriteFact:
     return _fact(se.tenant, se.memory_id, se.slot, se.ns_path, se.mkey, se.layer,
                  se.task_key, se.position, se.order_key, se.actor, se.source.to_wire(),
                  se.event.data if se.event is not None else {}, se.supersedes,
-                 se.suppressed or se.event is None)
+                 se.suppressed or se.event is None, se.key_id)
 
 
 def marks_of(se: StoredEvent) -> list[Mark]:
@@ -236,19 +244,30 @@ def _row(w: WriteFact, status: str, erased: bool, superseded_by: str | None) -> 
 
 
 def fact_from_row(r: Any) -> WriteFact:
-    """Rebuild the write fact of a stored view row."""
-    kid = memory_key_id(r.tenant, r.memory_id)
+    """Rebuild the write fact of a stored view row, selected with its sealed columns
+    read through `ledger.vault.keyed` (`VIEW_COLUMNS`): they are sealed again under
+    the key they were sealed under, their event's."""
+    value, kid = split_keyed(r.value)
+    text, tkid = split_keyed(r.text)
+    kid = kid or tkid or ""
     return WriteFact(
         tenant=r.tenant, memory_id=r.memory_id, slot=r.slot, ns_path=r.ns_path, key=r.mkey,
         layer=r.layer, task_key=r.task_key, session_id=r.session_id, position=r.position,
         order=bytes(r.order_key), candidate=bool(r.candidate), actor=r.actor,
         # Rewritten rows are sealed again under their subject's key (ledger.vault).
         source=bytes(r.source),
-        value=subject(bytes(r.value), kid) if r.value is not None else None,
-        text=subject_text(r.text, kid), scope=r.scope, supersedes=r.supersedes,
+        value=subject(bytes(value), kid) if value is not None else None,
+        text=subject_text(text, kid), scope=r.scope, supersedes=r.supersedes,
         expires_at=r.expires_at,
         suppressed=r.status == "forgotten",
     )
+
+
+def view_columns(table: Any) -> list[Any]:
+    """`table`'s columns (`mem_versions`), its sealed ones read with their key id
+    (`fact_from_row`)."""
+    return [keyed(c) if isinstance(c.type, SealedView | SealedText) else c
+            for c in table.c]
 
 
 def decode_value(raw: bytes | None) -> Any:

@@ -20,7 +20,7 @@ from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
-from ledger.vault import Subject, key_id, subject, summary_key_id
+from ledger.vault import Subject, subject, summary_key_id
 from projections.sql import chunks, insert_rows
 from projections.tasks import Note, note_body, summarize
 
@@ -92,7 +92,7 @@ def note_row(se: StoredEvent) -> dict[str, Any]:
     return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
             "type": se.type, "order_key": se.order_key,
             # The body carries its event's key id: the view seals it (ledger.vault).
-            "body": subject(_enc(note_body(se)), key_id(se.tenant, se.idempotency_key))}
+            "body": subject(_enc(note_body(se)), se.key_id or "")}
 
 
 def _enc(obj: Any) -> bytes | None:

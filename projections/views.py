@@ -18,7 +18,7 @@ from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
 from projections import bulk
-from projections.memory import WriteFact, fact_from_row, marks_of, write_fact
+from projections.memory import WriteFact, fact_from_row, marks_of, view_columns, write_fact
 from projections.protocol import State
 from projections.slots import covered_slots, mark_row, resolve_slots
 from projections.sql import chunks, insert_rows
@@ -71,7 +71,8 @@ class MemoryProjection:
         existing: dict[str, list[WriteFact]] = {}
         new_ids = {(w.tenant, w.memory_id) for w in writes}
         for chunk in chunks(slot_list):
-            for r in (await conn.execute(select(t.mem_versions).where(mv.slot.in_(chunk)))).all():
+            q = select(*view_columns(t.mem_versions)).where(mv.slot.in_(chunk))
+            for r in (await conn.execute(q)).all():
                 if (r.tenant, r.memory_id) not in new_ids:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:

@@ -2,13 +2,15 @@
 
 For a ledger written before the vault was switched on (ledger/vault.py): every content
 payload still in clear (memory writes, task opens, notes and closes) is sealed under
-its subject's key, batch by batch, each batch in one write transaction, so the command
-can be stopped at any point and run again: it finds what is still in clear and goes
-on. Dead letters still in clear are sealed too. Then the views are rebuilt (their
-copies of the content are sealed as they are written) and the database files are
-compacted (`Recorder.compact`: SQLite VACUUM and WAL truncation, secure_delete being
-on; PostgreSQL VACUUM FULL), so no plaintext copy is left in them. A payload whose
-key a forget already destroyed is erased instead.
+a fresh key of the vault's pool (its id in the sealed header), batch by batch, each
+batch in one write transaction, so the command can be stopped at any point and run
+again: it finds what is still in clear and goes on. Dead letters still in clear are
+sealed too. Then the views are rebuilt (their copies of the content are sealed as
+they are written) and the database files are compacted (`Recorder.compact`: SQLite
+VACUUM and WAL truncation, secure_delete being on; PostgreSQL VACUUM FULL), so no
+plaintext copy is left in them. A payload whose derived key id (the id a ledger
+sealed before the key pool would have used) a forget already fenced is erased
+instead.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from sqlalchemy.types import LargeBinary
 from structlog.testing import capture_logs
 
 from ledger import schema as t
-from ledger.events import derive_memory_id
 from ledger.store import Store
 from ledger.validation import parse_event
 from ledger.vault import (
@@ -33,7 +32,7 @@ from ledger.vault import (
     is_sealed,
     key_store_for,
     seal,
-    subject_of,
+    sealed_key_id,
     unseal,
 )
 from projections import reads
@@ -72,6 +71,12 @@ async def raw_payloads(store: Store) -> list[tuple[str, str, bytes | None]]:
     return [(r[0], r[1], bytes(r[2]) if r[2] is not None else None) for r in rows]
 
 
+async def key_ids(store: Store) -> dict[str, str]:
+    """Idempotency key -> the key id its sealed payload names, of every sealed event."""
+    return {idem: sealed_key_id(p) for _, idem, p in await raw_payloads(store)
+            if p is not None and is_sealed(p)}
+
+
 async def test_content_is_sealed_and_reads_back(db_url: str, tmp_path: Path) -> None:
     """Memory writes and task notes are stored sealed (no plaintext byte of the value in
     the payload column), forgets and marks stay clear, and every read gets plaintext."""
@@ -106,18 +111,26 @@ async def test_forget_destroys_exactly_the_covered_keys(db_url: str, tmp_path: P
     try:
         for e in (write("pin", SECRET, idem="a1", source=src(at=at(0))),
                   write("pin", SECRET + "-v2", idem="a2", source=src(at=at(1))),
-                  write("lang", "Python", idem="a3", source=src(at=at(2))),
-                  event("memory.forgotten", {"namespace": NS7, "key": "pin"}, idem="a4",
+                  write("lang", "Python", idem="a3", source=src(at=at(2)))):
+            await store.append_one(parse_event(e))
+        # Each event's key is a pool key, named in its sealed payload's header.
+        ids = await key_ids(store)
+        for e in (event("memory.forgotten", {"namespace": NS7, "key": "pin"}, idem="a4",
                         source=src(at=at(3))),
                   write("pin", "said again", idem="a5", source=src(at=at(4)))):
             await store.append_one(parse_event(e))
+        ids.update(await key_ids(store))
         await Runner(store).catch_up()
         assert store.vault is not None
         keys = store.vault.keys
-        ids = {i: subject_of("shop-a", "memory.written", derive_memory_id("shop-a", i), i)
-               for i in ("a1", "a2", "a3", "a5")}
-        assert keys.fenced(ids.values()) == {ids["a1"], ids["a2"]}
+        assert len(set(ids.values())) == 4  # one key an event
+        # Exactly the covered events' keys: not the later write's, nor the pool's
+        # unused keys (which sealed nothing).
+        unused = list(store.vault._pool)
+        assert unused
+        assert keys.fenced([*ids.values(), *unused]) == {ids["a1"], ids["a2"]}
         assert set(keys.load(ids.values())) == {ids["a3"], ids["a5"]}
+        assert set(keys.load(unused)) == set(unused)
         async with store.read() as conn:
             pin = await reads.get(conn, U7, NS7, "pin", now_us=NOW)
             lang = await reads.get(conn, U7, NS7, "lang", now_us=NOW)

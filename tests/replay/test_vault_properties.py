@@ -21,14 +21,21 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import LargeBinary, select, type_coerce
 from structlog.testing import capture_logs
 
 from ledger import schema as t
 from ledger.events import derive_memory_id
 from ledger.store import Store
 from ledger.validation import parse_event
-from ledger.vault import FileKeyStore, KeyFenced, KeyStore, PostgresKeyStore, subject_of
+from ledger.vault import (
+    FileKeyStore,
+    KeyFenced,
+    KeyStore,
+    PostgresKeyStore,
+    is_sealed,
+    sealed_key_id,
+)
 from projections.runner import Runner
 from replay.backup import backup
 from tests.factories import event, src, write
@@ -82,8 +89,8 @@ async def _run(db_url: str, where: Path, tenant: str, schema: str,
     seen: set[bytes] = set()
     blobs: list[bytes] = []
     errors: list[str] = []
-    writes: list[str] = []  # memory ids
-    notes: list[tuple[str, str]] = []  # (idempotency key, task key)
+    writes: list[tuple[str, str]] = []  # (memory id, the key id its payload names)
+    notes: list[tuple[str, str]] = []  # (idempotency key, the key id)
     opened: set[str] = set()
 
     async def append(ev: dict[str, Any]) -> str:
@@ -92,6 +99,15 @@ async def _run(db_url: str, where: Path, tenant: str, schema: str,
         await Runner(store).catch_up()
         return "suppressed" if res.suppressed else "appended"
 
+    async def kid_of(idem: str) -> str:
+        """The key id the event's sealed payload names (a pool key), read raw."""
+        async with store.read() as conn:
+            raw = (await conn.execute(select(type_coerce(t.events.c.payload, LargeBinary))
+                                      .where(t.events.c.tenant == tenant,
+                                             t.events.c.idempotency_key == idem))).scalar()
+        assert raw is not None and is_sealed(bytes(raw))
+        return sealed_key_id(bytes(raw))
+
     await store.open()
     try:
         with capture_logs() as logs:
@@ -99,7 +115,7 @@ async def _run(db_url: str, where: Path, tenant: str, schema: str,
                 if op == "write":
                     await append(write(f"k{k}", f"val-{i}", tenant=tenant, idem=f"w{i}",
                                        source=src(at=at(i))))
-                    writes.append(derive_memory_id(tenant, f"w{i}"))
+                    writes.append((derive_memory_id(tenant, f"w{i}"), await kid_of(f"w{i}")))
                 elif op == "note":
                     task = f"T{k}"
                     if task not in opened:
@@ -113,7 +129,7 @@ async def _run(db_url: str, where: Path, tenant: str, schema: str,
                                        "text": f"note-{i}"},
                         tenant=tenant, idem=f"n{i}", source=src(at=at(i))))
                     if status == "appended":  # a suppressed note never had content
-                        notes.append((f"n{i}", task))
+                        notes.append((f"n{i}", await kid_of(f"n{i}")))
                 elif op == "forget":
                     await append(event("memory.forgotten", {"namespace": ns, "key": f"k{k}"},
                                        tenant=tenant, idem=f"f{i}", source=src(at=at(i))))
@@ -152,10 +168,9 @@ async def _run(db_url: str, where: Path, tenant: str, schema: str,
         assert store.vault is not None
         keys = store.vault.keys
         fresh = _keys(db_url, where, schema)  # a new process's view of the key store
-        subjects = [(subject_of(tenant, "memory.written", mid, ""), mem.get(mid))
-                    for mid in writes]
-        subjects += [(subject_of(tenant, "task.noted", None, idem), payloads.get(idem))
-                     for idem, _ in notes]
+        subjects = [(kid, mem.get(mid)) for mid, kid in writes]
+        subjects += [(kid, payloads.get(idem)) for idem, kid in notes]
+        assert len({kid for kid, _ in subjects}) == len(subjects)  # a key an event
         for kid, content in subjects:
             has_key = keys.get(kid) is not None
             assert (content is not None) == has_key, (kid, content, has_key, ops)
