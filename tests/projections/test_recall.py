@@ -114,9 +114,10 @@ async def test_retrieval_quality_through_the_pipeline(store: Store,
 
     The ledger is pinned to hashgram-v1-512: half of the fixture's queries ask in one
     language after a memory written in the other, and only v1's concept list (shaped by
-    this fixture) bridges them without a model. The default, hashgram-v2-512, has no
-    such bridge (0.56 here, `make eval`; docs/recall.md, "The concept list"); what
-    isolates users does not depend on the embedder (the filter runs before ranking)."""
+    this fixture) bridges them without a model (v1 is the default today; pinned so the
+    test keeps its subject if the default changes). hashgram-v2-512 has no such bridge
+    (0.56 here, `make eval`; docs/recall.md, "The concept list"); what isolates users
+    does not depend on the embedder (the filter runs before ranking)."""
     monkeypatch.setenv(EMBEDDER_ENV, "hashgram-v1-512")
     await load_fixture(store)
     score, leaked, returned = await recall_at_5(store)
