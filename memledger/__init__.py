@@ -31,7 +31,7 @@ from ledger.errors import (
 from ledger.events import Event
 from ledger.records import AppendResult
 from memledger import events
-from memledger._ledger import MemoryLedger, Principal, Source
+from memledger._ledger import EmbedderSetting, MemoryLedger, Principal, Source
 from memledger.results import Memory, MemoryVersion, Recall, RecalledTask, RecallItem, TaskSummary
 from workers.publish import PublishResult
 
@@ -43,6 +43,7 @@ __all__ = [
     "BackupError",
     "BrokerUnavailable",
     "ConcurrencyConflict",
+    "EmbedderSetting",
     "Event",
     "IdempotencyConflict",
     "IntegrityError",

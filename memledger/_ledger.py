@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, overload
 
@@ -28,6 +29,7 @@ from projections import asof, reads
 from projections.recall import recall as run_recall
 from projections.runner import Runner
 from projections.vectors import store_embedder
+from replay import config
 from workers.publish import Publisher, PublishResult
 
 EventLike = Event | Mapping[str, Any]
@@ -158,6 +160,59 @@ class MemoryLedger:
     async def project(self) -> dict[str, int]:
         """Run every projection in this process until it has caught up."""
         return await self.runner.catch_up()
+
+    # -- settings ----------------------------------------------------------------------
+    async def embedder(self) -> EmbedderSetting:
+        """The ledger's embedder, where it comes from and what the vector index holds
+        (`memledger config get embedder`; docs/recall.md, "Embedders")."""
+        return EmbedderSetting.of(await config.embedder_report(self.store))
+
+    async def set_embedder(self, name: str, *, rebuild: bool = True) -> EmbedderSetting:
+        """Record the ledger's embedder (`memledger config set embedder NAME`): every
+        process that opens the ledger then indexes and recalls with it.
+
+        `name` is a built-in (`hashgram` or `hashgram-v1-512`, the default, with the
+        bilingual concept list; `hashgram-v2-512`, without it; `minilm`, `e5-small` with
+        `memledger[models]`) or a name registered with
+        `projections.vectors.register_embedder`; an unknown name, or a model whose
+        package is not installed here, raises `ValidationError` and records nothing.
+        With `rebuild` (the default) the vector index is rebuilt with it before this
+        returns, unless it already holds only that model's vectors; without, recall
+        skips the old model's vectors until `memledger replay rebuild --projection
+        vectors` runs.
+        """
+        await config.set_embedder(self.store, name, rebuild_index=rebuild,
+                                  runner=self.runner)
+        return await self.embedder()
+
+
+@dataclass(frozen=True)
+class EmbedderSetting:
+    """A ledger's embedder (`MemoryLedger.embedder`).
+
+    `name`: the embedder used, as its vectors are named; `source`: where that comes
+    from (`recorded` by `set_embedder` or `memledger config set`, `MEMLEDGER_EMBEDDER`,
+    `vectors`: the model the stored vectors carry, or `default`); `recorded`: the
+    recorded name, if any; `index_models`: vectors per model name in the index;
+    `index_current`: whether the index holds that model's vectors only (False until a
+    rebuild after a change); `dim`: the vectors' width.
+    """
+
+    name: str
+    source: str
+    recorded: str | None
+    index_models: dict[str, int]
+    index_current: bool
+    dim: int
+
+    @classmethod
+    def of(cls, report: dict[str, Any]) -> EmbedderSetting:
+        """From `replay.config.embedder_report`'s dict (the embedder loads here)."""
+        if "error" in report:
+            raise ValidationError("embedder", str(report["error"]))
+        return cls(name=str(report["model"]), source=str(report["source"]),
+                   recorded=report["recorded"], index_models=dict(report["index_models"]),
+                   index_current=bool(report["index_current"]), dim=int(report["dim"]))
 
 
 def _memory(got: dict[str, Any]) -> Memory:

@@ -22,8 +22,8 @@ faster than a look-up would fetch one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -34,6 +34,8 @@ from ledger import schema as t
 from ledger.store import Store
 from projections.embedding import Embedder
 from projections.sql import chunks, insert_ignore
+
+K = TypeVar("K")
 
 #: Vectors computed ahead of a transaction: (embedder name, digest) -> vector.
 Ready = dict[tuple[str, bytes], NDArray[np.float32]]
@@ -58,20 +60,36 @@ async def cached(conn: AsyncConnection, emb: Embedder, digests: Iterable[bytes]
     return out
 
 
-async def prepare(conn: AsyncConnection, emb: Embedder, texts: Sequence[str],
-                  ready: Ready) -> int:
-    """Embed, into `ready`, the texts the cache does not hold (`conn` is only read; the
-    embedding runs after the look-up, in batches of the embedder's own size). Returns
-    how many were embedded."""
-    keys = {digest(x): x for x in texts}
-    have = await cached(conn, emb, keys)
-    todo = [(k, x) for k, x in keys.items() if k not in have and (emb.name, k) not in ready]
+async def lookup(conn: AsyncConnection, emb: Embedder, texts: Mapping[K, str]
+                 ) -> tuple[dict[K, NDArray[np.float32]], dict[K, str]]:
+    """The cache's vectors of `texts` under `emb`'s name and width, and the texts it
+    lacks, both by the caller's keys (an item, or the text itself), in `texts`' order.
+    The one look-up of the index's `prepare` and the history view's embedding."""
+    digests = {k: digest(x) for k, x in texts.items()}
+    have = await cached(conn, emb, digests.values())
+    found = {k: have[d] for k, d in digests.items() if d in have}
+    return found, {k: x for k, x in texts.items() if k not in found}
+
+
+def embed_into(emb: Embedder, texts: Iterable[str], ready: Ready) -> int:
+    """Embed, into `ready`, those of `texts` it lacks (one call of the embedder, with no
+    connection held); returns how many were embedded."""
+    todo = [(k, x) for k, x in {digest(x): x for x in texts}.items()
+            if (emb.name, k) not in ready]
     if not todo:
         return 0
     matrix = emb.embed([x for _, x in todo])
     for i, (k, _) in enumerate(todo):
         ready[(emb.name, k)] = matrix[i]
     return len(todo)
+
+
+async def prepare(conn: AsyncConnection, emb: Embedder, texts: Sequence[str],
+                  ready: Ready) -> int:
+    """Embed, into `ready`, the texts the cache does not hold (`conn` is only read; the
+    embedding runs after the look-up). Returns how many were embedded."""
+    _found, todo = await lookup(conn, emb, {x: x for x in texts})
+    return embed_into(emb, todo.values(), ready)
 
 
 async def embed_items(store: Store, conn: AsyncConnection, emb: Embedder,

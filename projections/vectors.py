@@ -14,8 +14,10 @@ it could not settle is remembered (`meta` row `vectors.pending_after`) and re-re
 the next batch, so the index converges once the other views catch up.
 
 The embedder is the ledger's recorded one (`meta` row `config.embedder`, set by
-`memledger config set embedder NAME`), else `MEMLEDGER_EMBEDDER`, else the offline
-hashed n-gram embedder. Changing it re-embeds everything through a rebuild of this
+`memledger config set embedder NAME`), else `MEMLEDGER_EMBEDDER`, else the model the
+ledger's stored vectors carry (a ledger built with another model keeps it, should the
+default change; the index records it then), else the default, `DEFAULT_EMBEDDER`
+(`resolve_embedder`). Changing it re-embeds everything through a rebuild of this
 projection (`config set` runs it); until then recall ignores entries of another model.
 
 A model embedder (`embedding.is_cached`) is slow, so its vectors are computed before
@@ -34,8 +36,9 @@ from typing import Any, Final
 
 import numpy as np
 import orjson
+import structlog
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -44,11 +47,20 @@ from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
 from projections import embed_cache, shards
-from projections.embedding import Embedder, get_embedder, is_cached
+from projections.embedding import (
+    DEFAULT_EMBEDDER,
+    EMBEDDER_NAMES,
+    Embedder,
+    canonical_name,
+    get_embedder,
+    is_cached,
+)
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
-from projections.sql import chunks, insert_rows, page_after
+from projections.sql import chunks, insert_ignore, insert_rows, page_after
+
+log = structlog.get_logger("memledger.vectors")
 
 EMBEDDER_ENV: Final = "MEMLEDGER_EMBEDDER"
 #: `meta` row: events after this position may have been indexed from views that lagged.
@@ -95,7 +107,7 @@ _RECORDED: dict[str, tuple[float, str | None]] = {}
 
 
 def embedder_named(name: str | None) -> Embedder:
-    """The embedder of a recorded name (None: the process's default)."""
+    """The embedder of a resolved name (None: the process's default)."""
     return _embedder(name.strip()) if name else current_embedder()
 
 
@@ -114,16 +126,111 @@ async def record_embedder(conn: AsyncConnection, name: str | None) -> None:
     _RECORDED.clear()
 
 
+#: The bare family name of the hashed embedders: the version the ledger holds.
+HASHGRAM: Final = "hashgram"
+
+
+async def stored_model(conn: AsyncConnection, family: str | None = None) -> str | None:
+    """A model name the ledger's stored vectors carry (the index's, else the stored
+    history's), of the `family` (a name prefix) when given; None when there are none.
+    One row of each table is read: a ledger's vectors are of one model, except while a
+    change of embedder is being rebuilt, and then the new one is recorded."""
+    for table in (t.vectors, t.mem_history):
+        model = table.c.model
+        q = select(model).where(model.is_not(None))
+        if family is not None:
+            q = q.where(model.startswith(family + "-", autoescape=True))
+        row = (await conn.execute(q.limit(1))).first()
+        if row is not None:
+            return str(row[0])
+    return None
+
+
+def _known(name: str) -> bool:
+    """Whether a name is a registered plug-in's or a built-in embedder's (of any extra)."""
+    key = name.strip().lower()
+    if key in _FACTORIES:
+        return True
+    canonical = canonical_name(key)
+    return canonical.startswith(HASHGRAM + "-v") or any(
+        canonical in names for names in EMBEDDER_NAMES.values())
+
+
+def given_name(name: str) -> str:
+    """The name recorded for a name given to `config set embedder`: a registered
+    plug-in's as given, a built-in's as its vectors carry it (the bare `hashgram`: the
+    default, `DEFAULT_EMBEDDER`; `embedding.canonical_name`)."""
+    key = name.strip().lower()
+    return key if key in _FACTORIES else canonical_name(key)
+
+
+async def resolve_name(conn: AsyncConnection, name: str) -> str:
+    """The embedder to use for a recorded or `MEMLEDGER_EMBEDDER` name in this ledger:
+    `given_name`'s, except that the bare `hashgram` means the hashed version the
+    ledger's vectors carry (a ledger that recorded `hashgram`, or ran with it in the
+    environment, keeps the version it was built with if the default changes), else the
+    default."""
+    key = name.strip().lower()
+    if key != HASHGRAM:
+        return given_name(key)
+    held = await stored_model(conn, HASHGRAM)
+    if held is not None and _known(held):
+        return canonical_name(held)
+    return DEFAULT_EMBEDDER
+
+
+async def resolve_embedder(conn: AsyncConnection) -> tuple[str, str]:
+    """The ledger's embedder name and where it comes from: `recorded` (`config set`),
+    `MEMLEDGER_EMBEDDER` (the process's default for a ledger with none recorded),
+    `vectors` (none of those: the model the ledger's stored vectors carry, so a ledger
+    built before the default changed keeps the model it was built with), `default`
+    (none of those: `DEFAULT_EMBEDDER`)."""
+    recorded = await recorded_embedder(conn)
+    if recorded:
+        return await resolve_name(conn, recorded), "recorded"
+    env = os.environ.get(EMBEDDER_ENV, "").strip()
+    if env:
+        return await resolve_name(conn, env), EMBEDDER_ENV
+    held = await stored_model(conn)
+    if held is not None and _known(held):
+        name = await resolve_name(conn, held)
+        return name, "default" if name == DEFAULT_EMBEDDER else "vectors"
+    if held is not None:
+        log.warning("embedder_unknown", stored=held, using=DEFAULT_EMBEDDER,
+                    hint="memledger config set embedder NAME")
+    return DEFAULT_EMBEDDER, "default"
+
+
+async def settle_embedder(store: Store, conn: AsyncConnection) -> str:
+    """`resolve_embedder`'s name, recorded when it was read from the stored vectors or
+    from a bare recorded `hashgram` (in `conn`, a write transaction of the index or
+    the history view): a rebuild, which empties those tables first, then keeps the
+    model, and `replay verify` replays with it."""
+    name, source = await resolve_embedder(conn)
+    recorded = None if source != "recorded" else await recorded_embedder(conn)
+    if source == "vectors" or (recorded is not None and recorded != name
+                               and recorded.strip().lower() == HASHGRAM):
+        if recorded is not None:
+            await conn.execute(update(t.meta).where(t.meta.c.name == EMBEDDER_META)
+                               .values(value=name))
+        else:
+            await conn.execute(insert_ignore(store, t.meta),
+                               [{"name": EMBEDDER_META, "value": name}])
+        _RECORDED.clear()
+        log.info("embedder_recorded", embedder=name, source=source)
+    return name
+
+
 async def store_embedder(store: Store) -> Embedder:
-    """The embedder a store's recalls query with: its recorded one, else the process's
-    default. The recorded name is re-read at most every `RECORDED_TTL_S` seconds; a
-    change is followed by a rebuild of the index, and until then recall compares the
-    query only with entries of its own model, so a stale read never mixes models."""
+    """The embedder a store's recalls query with (`resolve_embedder`). The name is
+    re-read at most every `RECORDED_TTL_S` seconds; a change is followed by a rebuild
+    of the index, and until then recall compares the query only with entries of its
+    own model, so a stale read never mixes models."""
     now = time.monotonic()
     hit = _RECORDED.get(store.url)
     if hit is None or now - hit[0] > RECORDED_TTL_S:
         async with store.read_once() as conn:
-            hit = (now, await recorded_embedder(conn))
+            hit = (now, (await resolve_embedder(conn))[0])
         _RECORDED[store.url] = hit
     return embedder_named(hit[1])
 
@@ -305,10 +412,16 @@ class VectorProjection:
         """The embedder of this projection (fixed at construction, else the env's)."""
         return self._fixed or current_embedder()
 
-    async def embedder_in(self, conn: AsyncConnection) -> Embedder:
+    async def embedder_in(self, conn: AsyncConnection, store: Store | None = None
+                          ) -> Embedder:
         """The embedder of this projection for a ledger: fixed at construction, else the
-        ledger's recorded one (read in `conn`), else the process's default."""
-        return self._fixed or embedder_named(await recorded_embedder(conn))
+        ledger's (`resolve_embedder`, read in `conn`; with `store`, `conn` is the
+        batch's write transaction and a name read from stored vectors is recorded)."""
+        if self._fixed is not None:
+            return self._fixed
+        if store is not None:
+            return embedder_named(await settle_embedder(store, conn))
+        return embedder_named((await resolve_embedder(conn))[0])
 
     async def prepare(self, store: Store, size: int, owned: frozenset[int] | None = None
                       ) -> int:
@@ -326,14 +439,9 @@ class VectorProjection:
             texts = await self._next_texts(store, conn, size, owned)
             if not texts:
                 return 0
-            have = await embed_cache.cached(conn, emb, map(embed_cache.digest, texts))
-        todo = [x for x in dict.fromkeys(texts) if embed_cache.digest(x) not in have]
+            _found, todo = await embed_cache.lookup(conn, emb, {x: x for x in texts})
         # The embedding itself runs with no connection held (a model takes seconds).
-        if todo:
-            matrix = emb.embed(todo)
-            for x, v in zip(todo, matrix, strict=True):
-                self._ready[(emb.name, embed_cache.digest(x))] = v
-        return len(todo)
+        return embed_cache.embed_into(emb, todo.values(), self._ready)
 
     async def _next_texts(self, store: Store, conn: AsyncConnection, size: int,
                           owned: frozenset[int] | None) -> list[str]:
@@ -382,7 +490,7 @@ class VectorProjection:
             state.update(head=min(int(state["head"]), await _source_views_position(conn)),
                          phase="memories", after=None)
         mv, tv = t.mem_versions.c, t.tasks_view.c
-        emb = await self.embedder_in(conn)
+        emb = await self.embedder_in(conn, store)
         if state["phase"] == "memories":
             rows = await page_after(conn, _memory_rows_query().where(
                 mv.status == "active", not_forgotten()),
@@ -412,7 +520,7 @@ class VectorProjection:
                     events: Sequence[StoredEvent], upto: int) -> None:
         touch = touched(events)
         tombs = await touch.tombstones(store, conn, upto)
-        emb = await self.embedder_in(conn)
+        emb = await self.embedder_in(conn, store)
         await self._sync_memories(store, conn, emb, touch.mem_ids, touch.slots, tombs)
         await self._sync_tasks(store, conn, emb, touch.tasks, tombs)
 

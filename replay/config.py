@@ -5,14 +5,16 @@ One setting so far, `embedder`: the embedder the vector index and recall use for
 ledger, recorded in the database (`meta` row `config.embedder`), so every process that
 opens it (the SDK, the CLI, workers) indexes and queries with the same model, whatever
 its own `MEMLEDGER_EMBEDDER` says (that variable is only the default of a ledger that
-has none recorded). Changing it rebuilds the vector index, so stored vectors of the old
-model are replaced; until the rebuild is done recall compares queries only with vectors
-of the new model's name and width, never with a mix.
+has none recorded). A ledger with neither uses the model its stored vectors carry (so
+a change of the default never mixes models in a ledger built before it), else the
+default (`projections.vectors.resolve_embedder`). Changing it rebuilds the vector
+index, so stored vectors of the old model are replaced; until the rebuild is done
+recall compares queries only with vectors of the new model's name and width, never
+with a mix.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Final
 
 import structlog
@@ -24,10 +26,11 @@ from ledger.store import Store
 from projections.embedding import Embedder
 from projections.runner import Runner
 from projections.vectors import (
-    EMBEDDER_ENV,
     embedder_named,
+    given_name,
     record_embedder,
     recorded_embedder,
+    resolve_embedder,
 )
 from replay.progress import ProgressCallback
 from replay.rebuild import rebuild
@@ -53,14 +56,13 @@ async def embedder_report(store: Store, *, load: bool = True) -> dict[str, Any]:
     takes seconds to load, so `status` does not)."""
     await store.open()
     async with store.read() as conn:
-        name = await recorded_embedder(conn)
+        recorded = await recorded_embedder(conn)
+        name, source = await resolve_embedder(conn)
         vc = t.vectors.c
         held = {str(r[0]): int(r[1]) for r in (await conn.execute(
             select(vc.model, func.count()).group_by(vc.model))).all()}
-    env = os.environ.get(EMBEDDER_ENV, "").strip() or None
-    source = "recorded" if name else EMBEDDER_ENV if env else "default"
-    out: dict[str, Any] = {"name": name or env or "hashgram", "source": source,
-                           "recorded": name, "index_models": held}
+    out: dict[str, Any] = {"name": name, "source": source,
+                           "recorded": recorded, "index_models": held}
     if not load:
         return out
     try:
@@ -88,10 +90,11 @@ async def set_embedder(store: Store, name: str, *, rebuild_index: bool = True,
     vector index with it; returns what changed and the rebuild's report.
 
     The name is checked first by building the embedder (a model must be installed
-    here). Recording the name it already has changes nothing, and rebuilds only when
-    the index still holds vectors of another model.
+    here), and recorded as its vectors are named (`hashgram`: the default,
+    `DEFAULT_EMBEDDER`; `given_name`). Recording the name it already has changes nothing,
+    and rebuilds only when the index still holds vectors of another model.
     """
-    name = name.strip().lower()
+    name = given_name(name)
     emb = load_embedder(name)
     await store.open()
     async with store.view_write() as conn:

@@ -18,6 +18,7 @@ from ledger.store import Store
 from projections import quarantine
 from projections.protocol import BulkLoadable
 from projections.runner import Runner, write_bulk_state
+from projections.vectors import record_embedder, resolve_embedder
 from replay.rebuild import REBUILD_BATCH
 from replay.rows import row_dict, stream_rows
 from replay.verify.report import Report
@@ -38,6 +39,12 @@ async def _copy_ledger(conn: AsyncConnection, store: Store, scratch: Store) -> N
         async for part in stream_rows(conn, table, store.recorder, batch=2000):
             async with scratch.write() as dst:
                 await scratch.recorder.import_rows(dst, table, [row_dict(r) for r in part])
+    # The ledger's embedder (`config set embedder`, or the model its vectors carried):
+    # the fresh index and history are embedded with it, as the live ones were.
+    name, source = await resolve_embedder(conn)
+    if source in ("recorded", "vectors"):
+        async with scratch.view_write() as dst:
+            await record_embedder(dst, name)
 
 
 async def _rows(conn: AsyncConnection, table: Any, recorder: Recorder

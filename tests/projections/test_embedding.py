@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 from projections.embedding import (
+    DEFAULT_EMBEDDER,
     CallableEmbedder,
     Embedder,
     HashedNgramEmbedder,
     SentenceModelEmbedder,
+    canonical_name,
     embed_queries,
     get_embedder,
 )
@@ -77,8 +79,15 @@ def cos(embedder: Embedder, a: str, b: str) -> float:
 
 @pytest.fixture(scope="module")
 def hashgram() -> HashedNgramEmbedder:
-    """Provide the default offline embedder."""
+    """Provide the default offline embedder (hashgram-v1-512, with the concept list)."""
     return HashedNgramEmbedder()
+
+
+@pytest.fixture(scope="module")
+def hashgram_v1() -> HashedNgramEmbedder:
+    """Provide hashgram-v1-512: the hashed embedder with the bilingual concept list (the
+    former default, shaped by the project's examples and by this fixture)."""
+    return get_embedder("hashgram-v1-512")  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- basic contract
@@ -88,18 +97,41 @@ def test_default_embedder_satisfies_protocol(hashgram: HashedNgramEmbedder) -> N
     """The default embedder is an Embedder whose name records its width."""
     assert isinstance(hashgram, Embedder)
     assert hashgram.dim == 512
-    assert hashgram.name == "hashgram-v1-512"
+    assert hashgram.name == "hashgram-v1-512" == DEFAULT_EMBEDDER
+    assert hashgram.concepts
 
 
 def test_get_embedder_resolves_names() -> None:
-    """get_embedder returns the hashed embedder for None, "hashgram" and stored names."""
-    assert isinstance(get_embedder(), HashedNgramEmbedder)
-    assert isinstance(get_embedder("hashgram"), HashedNgramEmbedder)
+    """get_embedder returns the hashed embedder for None, "hashgram" and stored names:
+    the bare name is the default (v1, with the concept list), v2 (without) is selectable
+    by name, and the name its vectors carry is `canonical_name`'s (issue 18)."""
+    for name in (None, "hashgram", " HashGram ", "hashgram-v1-512"):
+        emb = get_embedder(name)
+        assert isinstance(emb, HashedNgramEmbedder)
+        assert (emb.name, emb.concepts) == ("hashgram-v1-512", True)
+        assert canonical_name(name) == emb.name
+    for name in ("hashgram-v2-512", "hashgram-nc"):
+        v2 = get_embedder(name)
+        assert isinstance(v2, HashedNgramEmbedder)
+        assert (v2.name, v2.concepts) == ("hashgram-v2-512", False)
     narrow = get_embedder("hashgram-v1-256")
     assert narrow.dim == 256
     assert narrow.name == "hashgram-v1-256"
-    with pytest.raises(ValueError, match="unknown embedder"):
-        get_embedder("word2vec")
+    assert get_embedder("hashgram-nc-v1-128").name == "hashgram-v2-128"
+    assert canonical_name("E5-Small") == "e5-small"
+    for bad in ("word2vec", "hashgram-v3-512", "hashgram-v1"):
+        with pytest.raises(ValueError, match="unknown embedder"):
+            get_embedder(bad)
+
+
+def test_v1_and_v2_differ_only_by_the_concept_list(hashgram_v1: HashedNgramEmbedder) -> None:
+    """A text without a concept term gets the same vector from both versions; one with
+    a term differs (so the two need, and have, different names)."""
+    v2 = get_embedder("hashgram-v2-512")
+    plain = ["speaker A: we adopted a puppy named Rex", "周三去公园散步"]
+    assert np.array_equal(v2.embed(plain), hashgram_v1.embed(plain))
+    listed = ["refund for order B7781", "退款"]
+    assert not np.array_equal(v2.embed(listed), hashgram_v1.embed(listed))
 
 
 def test_embed_is_deterministic_across_calls(hashgram: HashedNgramEmbedder) -> None:
@@ -177,18 +209,35 @@ def test_fullwidth_and_case_variants_match(hashgram: HashedNgramEmbedder) -> Non
     [
         ("reply language: English", "which language should answers use?", "order B7790 delivered"),
         ("回复语言：简体中文", "用什么语言回复用户", "收货地址：杭州市西湖区"),
+        ("supports many languages", "which language", "weekly sales report"),
+    ],
+)
+@pytest.mark.parametrize("version", ["hashgram-v2-512", "hashgram-v1-512"])
+def test_related_texts_score_higher(
+    version: str, anchor: str, related: str, unrelated: str
+) -> None:
+    """A paraphrase in the same language, sharing words or characters, is closer to its
+    anchor than an unrelated memory is, under both versions."""
+    emb = get_embedder(version)
+    assert cos(emb, anchor, related) > cos(emb, anchor, unrelated)
+
+
+@pytest.mark.parametrize(
+    ("anchor", "related", "unrelated"),
+    [
         ("reply language: Simplified Chinese", "用中文回答", "shoe size: EU 42"),
         ("收货地址：广州市天河区体育西路", "what is the shipping address?", "prefers WeChat Pay"),
         ("refund: money returned to Alipay", "退款怎么退", "编程语言：Go 1.22"),
-        ("supports many languages", "which language", "weekly sales report"),
         ("ticket PAY-231: double charge bug", "工单进度", "time zone: Berlin"),
     ],
 )
-def test_related_texts_score_higher(
-    hashgram: HashedNgramEmbedder, anchor: str, related: str, unrelated: str
+def test_concept_list_bridges_languages(
+    hashgram_v1: HashedNgramEmbedder, anchor: str, related: str, unrelated: str
 ) -> None:
-    """A paraphrase or translation is closer to its anchor than an unrelated memory is."""
-    assert cos(hashgram, anchor, related) > cos(hashgram, anchor, unrelated)
+    """hashgram-v1's concept list puts a translation closer to its anchor than an
+    unrelated memory (v2, without it, has no bridge between languages: texts sharing
+    no word or character score by hash noise alone)."""
+    assert cos(hashgram_v1, anchor, related) > cos(hashgram_v1, anchor, unrelated)
 
 
 #: SHA-256 of the float32 vectors of the fixture's memories and queries under
@@ -198,14 +247,23 @@ HASHGRAM_V1_512_FIXTURE_SHA256 = (
     "99db6dd1dff5bbc538f8c385716151c14cf8c30d9b484509475f4a2abad5eb31")
 
 
-def test_hashgram_v1_vectors_never_change(hashgram: HashedNgramEmbedder) -> None:
+#: The same under hashgram-v2-512 (no concept list).
+HASHGRAM_V2_512_FIXTURE_SHA256 = (
+    "80ccf54cc5362b7a1d9a41e30f2f74bb9e913f31585d3d8c78b9fd286d57cc00")
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("hashgram-v1-512", HASHGRAM_V1_512_FIXTURE_SHA256),
+    ("hashgram-v2-512", HASHGRAM_V2_512_FIXTURE_SHA256),
+])
+def test_hashgram_vectors_never_change(version: str, expected: str) -> None:
     """Speed-ups of the embedder must give the very same vectors: a change of the
     vectors needs a new model name (and `replay rebuild --projection vectors`). Its
     throughput is measured by `make bench` (recall), not here."""
     fixture = load_fixture()
     texts = [m["text"] for m in fixture["memories"]] + [q["query"] for q in fixture["queries"]]
-    got = hashlib.sha256(hashgram.embed(texts).astype("<f4").tobytes()).hexdigest()
-    assert got == HASHGRAM_V1_512_FIXTURE_SHA256
+    got = hashlib.sha256(get_embedder(version).embed(texts).astype("<f4").tobytes()).hexdigest()
+    assert got == expected
 
 
 # --------------------------------------------------------------------------- fixture quality
@@ -231,9 +289,12 @@ def test_fixture_is_well_formed() -> None:
             assert memory["namespace"][:2] == [memory["tenant"], memory["user"]]
 
 
-def test_hashgram_recall_at_5(hashgram: HashedNgramEmbedder) -> None:
-    """Ranking each user's own memories, the default embedder reaches recall@5 of at least 0.8."""
-    recall = recall_at_k(hashgram)
+def test_hashgram_v1_recall_at_5(hashgram_v1: HashedNgramEmbedder) -> None:
+    """Ranking each user's own memories, hashgram-v1 (with the concept list) reaches
+    recall@5 of at least 0.8 on the bilingual fixture. The list was shaped by this
+    fixture, so this checks the list still does what it was written for, not that it
+    generalises (docs/recall.md, "The concept list": on LoCoMo it did not)."""
+    recall = recall_at_k(hashgram_v1)
     count = len(load_fixture()["queries"])
     print(f"\nhashgram-v1-512 recall@{TOP_K}: {recall:.3f} over {count} queries")
     assert recall >= RECALL_FLOOR
