@@ -53,6 +53,8 @@ class PrincipalIndex:
     task_matrix: NDArray[np.float32]
     stamp: float = 0.0
     other_models: int = 0  # entries of another embedder (the index awaits a rebuild)
+    #: The position of the snapshot file written from or read into this index, if any.
+    saved_at: int | None = None
     _recency: NDArray[np.int64] | None = None
 
     @property
