@@ -158,6 +158,35 @@ def raw_latencies(path: Path, emb: Embedder, asks: Sequence[tuple[str, str]]
     return total, product
 
 
+async def cold_recalls(store: Store, path: Path, asks: Sequence[tuple[str, str]], label: str
+                       ) -> tuple[Store, list[float], list[float], int]:
+    """First recalls of users no cache holds: without a snapshot (their vectors read from
+    the database, snapshots off so none is written meanwhile), then after a restart (a
+    new Store, an empty cache) with their snapshots present. One user: five samples of
+    each. Returns the store now open, both latency lists and the snapshots mapped."""
+    repeat = 5 if len(asks) == 1 else 1
+    matrix_snapshot.drop_all(store.url)
+    cold: list[float] = []
+    with snapshots_off():
+        for _ in range(repeat):
+            CACHE.clear()
+            cold.extend(await pipeline_latencies(store, asks))
+    CACHE.clear()
+    await pipeline_latencies(store, asks)  # loads again, writes the snapshots
+    await matrix_snapshot.settled()
+    say(f"{label}: restart (a new Store, an empty cache), first recall of {len(asks)} "
+        f"user(s) from their snapshot, {repeat} time(s)")
+    restarted: list[float] = []
+    mapped = CACHE.snapshot_loads
+    for _ in range(repeat):
+        await store.close()
+        store = Store(sqlite_url(path))
+        await store.open()
+        CACHE.clear()
+        restarted.extend(await pipeline_latencies(store, asks))
+    return store, cold, restarted, CACHE.snapshot_loads - mapped
+
+
 def _asks(rng: random.Random, n: int, users: int) -> list[tuple[str, str]]:
     queries = [q["query"] for q in fixture()["queries"]]
     return [(f"u{rng.randrange(users)}", rng.choice(queries)) for _ in range(n)]
@@ -179,28 +208,8 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
         cold_asks = [(u, "reply language") for u in cold_users]
         say(f"{label}: first recall of {len(cold_users)} user(s), no snapshot (loads "
             "their matrix from the database)")
-        repeat = 5 if len(cold_users) == 1 else 1  # one user: a few samples
-        matrix_snapshot.drop_all(store.url)
-        cold: list[float] = []
-        with snapshots_off():  # nothing written meanwhile
-            for _ in range(repeat):
-                CACHE.clear()
-                cold.extend(await pipeline_latencies(store, cold_asks))
-        CACHE.clear()
-        await pipeline_latencies(store, cold_asks)  # loads again, writes the snapshots
-        await matrix_snapshot.settled()
-        say(f"{label}: restart (a new Store, an empty cache), first recall of "
-            f"{len(cold_users)} user(s) from their snapshot, {repeat} time(s)")
-        restarted: list[float] = []
-        mapped = CACHE.snapshot_loads
-        for _ in range(repeat):
-            await store.close()
-            store = Store(sqlite_url(path))
-            await store.open()
-            CACHE.clear()
-            loads = CACHE.loads
-            restarted.extend(await pipeline_latencies(store, cold_asks))
-        mapped = CACHE.snapshot_loads - mapped
+        store, cold, restarted, mapped = await cold_recalls(store, path, cold_asks, label)
+        loads = CACHE.loads
         if users > len(cold_users):  # warm the remaining users' matrices
             await pipeline_latencies(store, [(f"u{i}", "reply language")
                                              for i in range(len(cold_users), users)])

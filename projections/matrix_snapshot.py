@@ -34,8 +34,8 @@ What a snapshot must never do (R20, docs/forgetting.md):
 Format: `MAGIC`, the header's length (u32), the header (JSON), its digest, then
 sections at offsets the header gives: `columns` (float32 `(dim, capacity)`, 4 KiB
 aligned, mapped), `alive`, `orders` + `order_ends`, `tasks`, `groups` (each group's
-`(dim, k)` matrix in turn) and `meta` (JSON: ids, keys, normalised keys, groups, task
-ids).
+`(dim, k)` matrix in turn) and `meta` (JSON: ids, keys, rows by normalised key, groups,
+task ids).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from ledger import schema as t
 from ledger.backends.sqlite import file_path
 from ledger.durable import fsync_dir
 from ledger.store import Store
-from projections.principal_index import Group, PrincipalIndex
+from projections.principal_index import Group, PackedOrders, PrincipalIndex
 from projections.sql import PointQuery, point_rows
 
 log = structlog.get_logger("memledger.recall")
@@ -165,7 +165,7 @@ class Image:
     ids: list[str]
     keys: list[str]
     orders: list[bytes]
-    norm: list[str]
+    key_rows: dict[str, list[int]]
     groups: list[tuple[tuple[str, str], list[str], list[str], np.ndarray]]
     task_ids: list[str]
     task_matrix: np.ndarray
@@ -174,13 +174,9 @@ class Image:
 def image(tenant: str, prefix: str, idx: PrincipalIndex) -> Image:
     """Copy what the file needs out of `idx` (cheap: lists, the small matrices)."""
     n = idx.n
-    norm = [""] * n  # each row's normalised key, from the index's own map
-    for k, rows in idx.key_rows.items():
-        for r in rows:
-            if r < n:
-                norm[r] = k
+    key_rows = {k: [r for r in rows if r < n] for k, rows in idx.key_rows.items()}
     return Image(tenant, prefix, idx, n, np.ascontiguousarray(idx.alive[:n], np.uint8).tobytes(),
-                 list(idx.ids[:n]), list(idx.keys[:n]), list(idx.orders[:n]), norm,
+                 list(idx.ids[:n]), list(idx.keys[:n]), list(idx.orders[:n]), key_rows,
                  [(k, list(g.ids), list(g.keys), np.array(g.columns, dtype="<f4"))
                   for k, g in idx.groups.items()],
                  list(idx.task_ids), np.array(idx.task_matrix, dtype="<f4"))
@@ -194,7 +190,7 @@ def _encode(im: Image, db: list[int]) -> tuple[bytes, np.ndarray, list[bytes]]:
     ends = np.cumsum([len(o) for o in im.orders], dtype=np.int64) if im.orders else \
         np.zeros(0, np.int64)
     meta = orjson.dumps({"ids": im.ids, "keys": im.keys,
-                         "norm": im.norm,
+                         "key_rows": im.key_rows,
                          "groups": [[k[0], k[1], ids, keys] for k, ids, keys, _ in im.groups],
                          "task_ids": im.task_ids})
     tail = [im.alive, b"".join(im.orders), ends.astype("<i8").tobytes(),
@@ -368,16 +364,14 @@ def load(store: Store, tenant: str, prefix: str, model: str, dim: int
         keys: list[str] = meta["keys"]
         alive = np.zeros(cap, dtype=bool)
         alive[:n] = np.frombuffer(s["alive"], dtype=np.uint8).astype(bool)
-        ends = np.frombuffer(s["order_ends"], dtype="<i8").tolist()
-        blob = s["orders"]
-        orders = [blob[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-        if not len(ids) == len(keys) == len(orders) == len(meta["norm"]) == n:
+        ends = np.frombuffer(s["order_ends"], dtype="<i8")
+        if not len(ids) == len(keys) == len(ends) == n or (n and ends[-1] != len(s["orders"])):
             raise Damaged("row count")
-        key_rows: dict[str, list[int]] = {}
-        for i, k in enumerate(meta["norm"]):
-            key_rows.setdefault(k, []).append(i)
+        orders = PackedOrders(s["orders"], ends)
+        key_rows: dict[str, list[int]] = meta["key_rows"]
         live = alive[:n]
-        row_of = {m: i for i, m in enumerate(ids) if live[i]}
+        row_of = dict(zip(ids, range(n), strict=True)) if live.all() else {
+            m: i for m, i, a in zip(ids, range(n), live.tolist(), strict=True) if a}
         groups: dict[tuple[str, str], Group] = {}
         gm = np.frombuffer(s["groups"], dtype="<f4")
         at = 0
