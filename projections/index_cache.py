@@ -17,9 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.store import Store
-from projections import reads
+from projections import matrix_snapshot, reads
 from projections.embedding import Embedder
-from projections.principal_index import Group, PrincipalIndex, group_key, norm_key
+from projections.principal_index import Group, PrincipalIndex, norm_key
 from projections.shards import DEFAULT_SHARDS, SHARDS_META, tenant_hash
 from projections.sql import PointQuery, point_rows, prefix_match, prefix_range
 from projections.vectors import (
@@ -52,6 +52,7 @@ class IndexCache:
         self._bytes = 0
         self.loads = 0
         self.patches = 0
+        self.snapshot_loads = 0  # indexes mapped from a snapshot file (`matrix_snapshot`)
 
     def get(self, key: tuple[str, ...]) -> PrincipalIndex | None:
         """The cached index, marked as recently used."""
@@ -129,23 +130,53 @@ async def read_positions(conn: AsyncConnection, tenant: str, store: Store | None
 
 async def principal_index(conn: AsyncConnection, store: Store, who: reads.Principal,
                           emb: Embedder, at: Positions | None = None) -> PrincipalIndex:
-    """The principal's vectors at the current `vectors` checkpoint (cached)."""
+    """The principal's vectors at the current `vectors` checkpoint (cached).
+
+    Not cached in this process: its snapshot file (`projections.matrix_snapshot`), if
+    any, is mapped and then treated like a cached index (used as it is, patched
+    forward, or reloaded); a full load writes a new snapshot, and so does a patch that
+    leaves the file `SNAPSHOT_BEHIND` positions behind.
+    """
     at = at or await read_positions(conn, who.tenant)
     key = (store.url, who.tenant, who.user, emb.name)
     cached = CACHE.get(key)
+    if cached is None:
+        cached = matrix_snapshot.load(store, who.tenant, who.prefix, emb.name, emb.dim)
+        if cached is not None:
+            CACHE.snapshot_loads += 1
+            cached.saved_at = cached.position
     # The step time tells a rebuild that ended at the same position from no change.
     if cached is not None and (cached.position, cached.stamp) == (at.vectors, at.stamp):
+        CACHE.put(key, cached)
         return cached
     if cached is not None and at.pending is None and cached.pending is None \
             and cached.position < at.vectors <= cached.position + LAG_WINDOW \
             and await _refresh(conn, store, who, emb, cached, at.vectors):
         cached.position, cached.stamp = at.vectors, at.stamp
         CACHE.put(key, cached)  # its size may have changed
+        if cached.saved_at is not None and cached.position - cached.saved_at > SNAPSHOT_BEHIND:
+            _save_snapshot(store, who, cached, matrix_snapshot.generation(
+                matrix_snapshot.directory(store.url)))
         return cached
+    gen = matrix_snapshot.generation(matrix_snapshot.directory(store.url))
     idx = await _load_index(conn, store, who, emb, at.vectors, at.pending)
     idx.stamp = at.stamp
     CACHE.put(key, idx)
+    _save_snapshot(store, who, idx, gen)
     return idx
+
+
+#: A snapshot this far behind the index patched from it is written again.
+SNAPSHOT_BEHIND: Final = LAG_WINDOW // 4
+
+
+def _save_snapshot(store: Store, who: reads.Principal, idx: PrincipalIndex, gen: int) -> None:
+    """Write the index's snapshot in a worker thread (SQLite files, snapshots on)."""
+    if idx.pending is not None or matrix_snapshot.directory(store.url) is None \
+            or not matrix_snapshot.enabled():
+        return
+    idx.saved_at = idx.position
+    matrix_snapshot.save_soon(store, who.tenant, who.prefix, idx, gen)
 
 
 def _index_rows(who: reads.Principal, store: Store) -> Any:
@@ -226,38 +257,83 @@ def _chunk_list(items: Sequence[str], n: int = 400) -> list[Sequence[str]]:
     return [items[i:i + n] for i in range(0, len(items), n)]
 
 
+def _point_index_rows() -> Any:
+    """`_index_rows` with the principal as bound values, for `point_rows` (SQLite: the
+    range on `ns_path` lets the (tenant, ns_path) index serve the prefix)."""
+    vc, mv = t.vectors.c, t.mem_versions.c
+    prefix = bindparam("prefix", type_=String)
+    return (select(vc.item_id, vc.kind, vc.layer, vc.task_key, vc.session_id, vc.model,
+                   vc.dim, vc.vector, mv.mkey, mv.order_key)
+            .select_from(t.vectors.outerjoin(t.mem_versions, and_(
+                mv.tenant == vc.tenant, mv.memory_id == vc.item_id)))
+            .where(vc.tenant == bindparam("tenant", type_=String),
+                   func.substr(vc.ns_path, 1, bindparam("prefix_len", type_=Integer)) == prefix,
+                   vc.ns_path >= prefix, vc.ns_path < bindparam("prefix_end", type_=String)))
+
+
+_INDEX_ROWS: Final = PointQuery(_point_index_rows())
+# Columns of an index row (`_index_rows`), by position.
+_ID, _KIND, _LAYER, _TASK, _SESSION, _MODEL, _DIM, _VEC, _KEY, _ORDER = range(10)
+
+
+async def _index_row_tuples(conn: AsyncConnection, store: Store, who: reads.Principal
+                            ) -> Sequence[Sequence[Any]]:
+    """Every index row of the principal: on the calling thread for a SQLite file (plain
+    `sqlite3` tuples, no thread hop, no SQLAlchemy row objects), else asynchronously."""
+    got = point_rows(store, _INDEX_ROWS, {
+        "tenant": who.tenant, "prefix": who.prefix, "prefix_len": len(who.prefix),
+        "prefix_end": who.prefix[:-1] + "\x20"})
+    if got is not None:
+        return got
+    return (await conn.execute(_index_rows(who, store))).all()
+
+
 async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
                       emb: Embedder, position: int, pending: int | None) -> PrincipalIndex:
-    rows = (await conn.execute(_index_rows(who, store))).all()
+    rows = await _index_row_tuples(conn, store, who)
     CACHE.loads += 1
-    other = sum(1 for r in rows if r.model != emb.name or r.dim != emb.dim)
+    name, dim = emb.name, emb.dim
+    ids: list[str] = []
+    keys: list[str] = []
+    orders: list[bytes] = []
+    blobs: list[bytes] = []
+    tasks: list[Sequence[Any]] = []
+    grouped: dict[tuple[str, str], list[Sequence[Any]]] = {}
+    other = 0
+    # One pass, by position: a row object per entry costs more than the read itself.
+    for r in rows:
+        if r[_MODEL] != name or r[_DIM] != dim:
+            other += 1
+        elif r[_KIND] == "memory":
+            layer = r[_LAYER]
+            if layer == "long":
+                ids.append(r[_ID])
+                keys.append(r[_KEY] or "")
+                orders.append(bytes(r[_ORDER]) if r[_ORDER] is not None else b"")
+                blobs.append(r[_VEC])
+            else:
+                gk = (layer, (r[_TASK] if layer == "task" else r[_SESSION]) or "")
+                grouped.setdefault(gk, []).append(r)
+        elif r[_KIND] == "task":
+            tasks.append(r)
+    del rows
     if other:
         log.warning("vectors_of_other_model", entries=other, model=emb.name,
                     hint="run `memledger replay rebuild --projection vectors`")
-    ours = [r for r in rows if r.model == emb.name and r.dim == emb.dim]
-    longs = [r for r in ours if r.kind == "memory" and r.layer == "long"]
-    tasks = [r for r in ours if r.kind == "task"]
-    grouped: dict[tuple[str, str], list[Any]] = {}
-    for r in ours:
-        if r.kind == "memory" and r.layer != "long":
-            grouped.setdefault(group_key(r), []).append(r)
+    n = len(ids)
     key_rows: dict[str, list[int]] = {}
-    for i, r in enumerate(longs):
-        key_rows.setdefault(norm_key(r.mkey or ""), []).append(i)
-    ids = [r.item_id for r in longs]
+    for i, k in enumerate(keys):
+        key_rows.setdefault(norm_key(k), []).append(i)
+    # Room for 1/16 more rows, so new writes are appended without copying the matrix.
+    capacity = n + max(64, n // 16)
     return PrincipalIndex(
         position=position, pending=pending, model=emb.name, dim=emb.dim,
-        # Room for 1/16 more rows, so new writes are appended without copying the matrix.
-        columns=columns_from_blobs([bytes(r.vector) for r in longs], emb.dim,
-                                   capacity=len(longs) + max(64, len(longs) // 16)),
-        n=len(longs), alive=np.arange(len(longs) + max(64, len(longs) // 16)) < len(longs),
-        ids=ids, keys=[r.mkey or "" for r in longs],
-        orders=[bytes(r.order_key) if r.order_key is not None else b"" for r in longs],
+        columns=columns_from_blobs(blobs, dim, capacity=capacity),
+        n=n, alive=np.arange(capacity) < n, ids=ids, keys=keys, orders=orders,
         row_of={m: i for i, m in enumerate(ids)}, key_rows=key_rows,
-        groups={k: Group([r.item_id for r in g], [r.mkey or "" for r in g],
-                         columns_from_blobs([bytes(r.vector) for r in g], emb.dim))
+        groups={k: Group([r[_ID] for r in g], [r[_KEY] or "" for r in g],
+                         columns_from_blobs([bytes(r[_VEC]) for r in g], dim))
                 for k, g in grouped.items()},
-        task_ids=[r.item_id[len(TASK_PREFIX):] for r in tasks],
-        task_matrix=from_blobs([bytes(r.vector) for r in tasks], emb.dim),
+        task_ids=[r[_ID][len(TASK_PREFIX):] for r in tasks],
+        task_matrix=from_blobs([bytes(r[_VEC]) for r in tasks], dim),
         other_models=other)
-

@@ -53,6 +53,8 @@ class PrincipalIndex:
     task_matrix: NDArray[np.float32]
     stamp: float = 0.0
     other_models: int = 0  # entries of another embedder (the index awaits a rebuild)
+    #: The position of the snapshot file written from or read into this index, if any.
+    saved_at: int | None = None
     _recency: NDArray[np.int64] | None = None
 
     @property
@@ -131,6 +133,39 @@ class PrincipalIndex:
         self.key_rows.setdefault(norm_key(key), []).append(row)
         self.n += 1
         self._recency = None
+
+
+class PackedOrders(list[bytes]):
+    """The source orders of a snapshot's rows (`projections.matrix_snapshot`), split
+    into a list only when first used: most recalls never look at them (recency
+    ranking and appends do), and 100k slices cost more than the rest of a cold load."""
+
+    def __init__(self, blob: bytes, ends: NDArray[np.int64]) -> None:
+        super().__init__()
+        self._packed: tuple[bytes, NDArray[np.int64]] | None = (blob, ends)
+
+    def _unpack(self) -> None:
+        if self._packed is not None:
+            blob, ends = self._packed
+            self._packed = None
+            e = ends.tolist()
+            super().extend(blob[a:b] for a, b in zip([0, *e[:-1]], e, strict=True))
+
+    def __getitem__(self, i: Any) -> Any:
+        self._unpack()
+        return super().__getitem__(i)
+
+    def __len__(self) -> int:
+        self._unpack()
+        return super().__len__()
+
+    def __iter__(self) -> Any:
+        self._unpack()
+        return super().__iter__()
+
+    def append(self, item: bytes) -> None:
+        self._unpack()
+        super().append(item)
 
 
 def cosine_scores(columns: NDArray[np.float32], q: NDArray[np.float32]) -> NDArray[np.float32]:

@@ -46,7 +46,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import embed_cache, shards
+from projections import embed_cache, matrix_snapshot, shards
 from projections.embedding import (
     DEFAULT_EMBEDDER,
     EMBEDDER_NAMES,
@@ -536,6 +536,9 @@ class VectorProjection:
                 select(vc.item_id).where(vc.tenant == ts.tenant, vc.kind == "memory",
                                          _covered_entries(ts)))).all())
             await embed_cache.erase_items(conn, covered)
+            # And every recall snapshot file holding one of them (R20).
+            matrix_snapshot.erase(store.url, ts.tenant, (m for _, m in covered),
+                                  ns_prefix=ts.ns_path if ts.kind == "prefix" else None)
             # Drop every entry the forget covers, stale ones included; what the slot
             # still holds (a write said again after the forget) is re-added below.
             await conn.execute(delete(t.vectors).where(vc.tenant == ts.tenant,
@@ -564,6 +567,9 @@ class VectorProjection:
                 (tenant, key) for tenant, key in tasks
                 if await _task_purged_or_gone(conn, tenant, key)}
             await embed_cache.erase_items(conn, {(a, TASK_PREFIX + k) for a, k in gone})
+            for tenant in {a for a, _ in gone}:
+                matrix_snapshot.erase(store.url, tenant,
+                                      task_keys=[k for a, k in gone if a == tenant])
         for tenant, chunk in _by_tenant(tasks):
             await conn.execute(delete(t.vectors).where(
                 vc.tenant == tenant, vc.item_id.in_([TASK_PREFIX + k for k in chunk]),

@@ -34,7 +34,7 @@ from ledger.records import StoredEvent, now_iso, stored_from_row
 from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections import quarantine, shards
+from projections import matrix_snapshot, quarantine, shards
 from projections.bulk import restore_shape
 from projections.erasure import erase_payloads
 from projections.protocol import BulkLoadable, Projection
@@ -216,6 +216,11 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
     head read here (`projections.bulk`), instead of event by event.
     """
     m = t.meta.c
+    # Recall's snapshot files describe the view dropped here: deleted before and after
+    # (a load that read the old rows in between does not write them back).
+    resets_vectors = t.vectors in proj.tables
+    if resets_vectors:
+        matrix_snapshot.drop_all(store.url)
     async with store.view_write() as conn:
         await _lock_checkpoint(conn, store, proj.name)
         for table in proj.tables:
@@ -240,6 +245,8 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
                                                   value=now_iso()))
         if bulk and isinstance(proj, BulkLoadable):
             await write_bulk_state(conn, proj.name, {"head": await store.head(conn)})
+    if resets_vectors:
+        matrix_snapshot.drop_all(store.url)
 
 
 async def _clear_marker(store: Store, name: str) -> None:

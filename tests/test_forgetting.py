@@ -19,7 +19,7 @@ from sqlalchemy import select
 from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections import reads
+from projections import matrix_snapshot, reads
 from projections.recall import recall
 from projections.retention import sweep_retention
 from projections.runner import Runner
@@ -121,17 +121,27 @@ def sqlite_files(url: str) -> bytes:
 
 async def test_bytes_gone_from_sqlite_files(sqlite_url: str, register_path: str) -> None:
     """The forgotten value's bytes are absent from the SQLite files on disk (R20),
-    including its casefolded terms in the lexical index (FTS5 shadow tables too)."""
+    including its casefolded terms in the lexical index (FTS5 shadow tables too), and
+    recall's snapshot of the principal's vectors beside the database is deleted."""
+    from replay.verify.forgotten import verify_forgotten
+
     store = Store(sqlite_url, register_path=register_path)
     secret_ish = "QUOKKA-unique-preference-7731"
+    snapshots = matrix_snapshot.directory(sqlite_url)
     try:
         await store.append_one(parse_event(write("lang", secret_ish, source=src(at=at(1)))))
         await store.append_one(parse_event(event("task.opened", {
             "task_key": "T900", "namespace": ["shop-a", "u7", "tickets"],
             "title": "QUOKKA-title-9931"}, source=src(at=at(1)))))
         await Runner(store).catch_up()
+        await read_all(store)  # recall writes the principal's snapshot beside the file
+        await matrix_snapshot.settled()
+        assert matrix_snapshot.all_files(snapshots)
         await store.append_one(parse_event(forget(2, namespace_prefix=["shop-a", "u7"])))
         await Runner(store).catch_up()
+        # The forget deleted it (and `verify --forgotten` checks the files).
+        assert matrix_snapshot.all_files(snapshots) == []
+        assert (await verify_forgotten(store))["ok"] is True
     finally:
         await store.close()
     assert b"QUOKKA" not in sqlite_files(sqlite_url)  # mem_history's intervals too

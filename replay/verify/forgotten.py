@@ -1,10 +1,10 @@
 """`replay verify --forgotten`: no copy of covered content is left.
 
-Tombstone by tombstone: no view, index or ledger payload still holds covered content,
-every register entry is in the ledger, and the backend keeps no old copies (SQLite:
-the WAL no longer holds old pages, secure_delete is on; PostgreSQL: dead row versions
-are counted). It checks structure (covered content is NULL or absent): it cannot keep
-the forgotten text to search for it.
+Tombstone by tombstone: no view, index, recall snapshot file or ledger payload still
+holds covered content, every register entry is in the ledger, and the backend keeps no
+old copies (SQLite: the WAL no longer holds old pages, secure_delete is on; PostgreSQL:
+dead row versions are counted). It checks structure (covered content is NULL or
+absent): it cannot keep the forgotten text to search for it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ledger import schema as t
 from ledger.errors import RegisterError
 from ledger.forgets import Coordinates, Tombstone, covers, covers_sql, tombstone_from_row
 from ledger.store import Store
+from projections import matrix_snapshot
 from projections.erasure import dead_letter_covered
 from projections.runner import Runner
 from replay.rebuild import register_events, register_problems
@@ -26,11 +27,15 @@ from replay.rows import by_tenant, covering, row_dict, stream_rows
 from replay.verify.report import MAX_PROBLEMS, Report
 
 
-async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep: Report
+async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep: Report,
+                              covered_ids: set[tuple[str, str]] | None = None,
+                              purged_tasks: set[tuple[str, str]] | None = None
                               ) -> dict[str, int]:
+    """Check the views; fills `covered_ids` (memories) and `purged_tasks` (tasks) with
+    the covered items it found, for the checks of copies outside the database."""
     mv, tn, tv, vc = t.mem_versions.c, t.task_notes.c, t.tasks_view.c, t.vectors.c
-    covered_ids: set[tuple[str, str]] = set()
-    purged_tasks: set[tuple[str, str]] = set()
+    covered_ids = set() if covered_ids is None else covered_ids
+    purged_tasks = set() if purged_tasks is None else purged_tasks
     checked = {"mem_versions": 0, "task_notes": 0, "tasks_view": 0, "vectors": 0,
                "lexical_docs": 0, "embedding_refs": 0, "mem_history": 0}
     er = t.embedding_refs.c
@@ -110,6 +115,23 @@ async def _check_views_erased(conn: AsyncConnection, tombs: list[Tombstone], rep
     return checked
 
 
+def _check_snapshots_erased(store: Store, covered_ids: set[tuple[str, str]],
+                            purged_tasks: set[tuple[str, str]], rep: Report) -> int:
+    """Recall's snapshot files beside a SQLite database (`projections.matrix_snapshot`):
+    none may hold a covered memory or task (nor be unreadable). Returns files checked."""
+    tenants: dict[str, tuple[set[str], set[str]]] = {}
+    for tenant, memory_id in covered_ids:
+        tenants.setdefault(tenant, (set(), set()))[0].add(memory_id)
+    for tenant, task_key in purged_tasks:
+        tenants.setdefault(tenant, (set(), set()))[1].add(task_key)
+    d = matrix_snapshot.directory(store.url)
+    for tenant, (mems, tasks) in sorted(tenants.items()):
+        for name in matrix_snapshot.holding(store.url, tenant, mems, tasks):
+            rep.add("forgotten", place="recall_snapshot", tenant=tenant, file=name,
+                    detail="a recall snapshot holds a covered item (or cannot be read)")
+    return len(matrix_snapshot.all_files(d))
+
+
 async def _check_payloads_erased(conn: AsyncConnection, store: Store,
                                  tombs: list[Tombstone], rep: Report) -> int:
     grouped = by_tenant(tombs)
@@ -173,7 +195,11 @@ async def verify_forgotten(store: Store, *, catch_up: bool = True,
         tombs = sorted((tombstone_from_row(r) for r in
                         (await conn.execute(select(t.tombstones))).all()),
                        key=lambda x: x.position)
-        checked = await _check_views_erased(conn, tombs, rep)
+        covered_ids: set[tuple[str, str]] = set()
+        purged_tasks: set[tuple[str, str]] = set()
+        checked = await _check_views_erased(conn, tombs, rep, covered_ids, purged_tasks)
+        checked["recall_snapshots"] = _check_snapshots_erased(store, covered_ids,
+                                                              purged_tasks, rep)
         checked["payloads_still_held"] = await _check_payloads_erased(conn, store, tombs, rep)
         checked["dead_letters"] = await _check_dead_letters_erased(conn, tombs, rep)
         ev = t.events.c

@@ -22,6 +22,7 @@ from ledger.validation import parse_event
 from projections import reads
 from projections.budget import estimate_tokens, item_tokens, task_tokens
 from projections.index_cache import CACHE
+from projections.matrix_snapshot import ENV as MATRIX_SNAPSHOT_ENV
 from projections.recall import recall
 from projections.runner import Runner
 from projections.vectors import EMBEDDER_ENV, current_embedder, to_blob
@@ -457,8 +458,10 @@ async def index_entries(store: Store, who: str = U7) -> set[str]:
     return {r[0] for r in rows if r[1].startswith(prefix)}
 
 
-async def test_patched_cache_equals_a_fresh_load(store: Store) -> None:
+async def test_patched_cache_equals_a_fresh_load(store: Store,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """After each kind of change, recall on the patched cache equals recall on a fresh load."""
+    monkeypatch.setenv(MATRIX_SNAPSHOT_ENV, "0")  # fresh: not mapped from a snapshot
     await open_task(store, "T900", "left earbud crackles", {"order": "A123"})
     await append(store,
                  write("reply_language", "Chinese", memory_id="L1", source=src(at=at(1))),
