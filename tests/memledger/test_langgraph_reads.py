@@ -77,7 +77,7 @@ def test_caller_thread_reads_answer_as_the_loop_path(sqlite_url: str,
     store = MemledgerStore(url=sqlite_url, principal=principal)
     try:
         store.setup()
-        fast = store._read_now(OPS)
+        fast = store._read_now(OPS, embeds=True)
         assert fast is not None  # taken on this thread
         slow = store._call(store._batch(OPS))
         assert _dicts(fast) == _dicts(slow)
@@ -113,7 +113,7 @@ def test_delete_by_another_process_is_unreadable_at_once(sqlite_url: str) -> Non
     store = MemledgerStore(url=sqlite_url)
     try:
         store.put(("u7", "prefs"), "lang", {"v": "zh"})
-        assert store._read_now([GetOp(("u7", "prefs"), "lang")]) is not None
+        assert store._read_now([GetOp(("u7", "prefs"), "lang")], embeds=True) is not None
         assert store.get(("u7", "prefs"), "lang") is not None
         subprocess.run([sys.executable, "-c", DELETE, sqlite_url], cwd=ROOT, check=True,
                        timeout=120)
