@@ -135,15 +135,23 @@ def _cosine(q: np.ndarray[Any, Any], m: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return out
 
 
-def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[list[list[float]]], offset: int,
+def _rows(vectors: Sequence[Sequence[float]]) -> np.ndarray[Any, Any]:
+    """An item's field vectors as one float array (one row each; none: no rows). Kept
+    so in the store's cache: an array is one object the garbage collector never
+    walks, where a list of lists of floats is several per item."""
+    got = np.asarray(vectors, dtype=float)
+    return got if got.ndim == 2 else got.reshape(len(vectors), 0)
+
+
+def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[np.ndarray[Any, Any]], offset: int,
             limit: int) -> list[tuple[int, float | None]]:
     """A ranked page: (candidate number, score) by score (the best of a candidate's
     field vectors), ties in candidate order, then candidates without vectors (score
     None) in order while the page has room. One matrix product for all candidates."""
-    owners = [n for n, v in enumerate(vecs) for _ in v]
+    owners = [n for n, v in enumerate(vecs) for _ in range(len(v))]
     scored: list[tuple[int, float]] = []
     if owners:
-        cos = _cosine(q, np.asarray([x for v in vecs for x in v], dtype=float))
+        cos = _cosine(q, np.concatenate([v for v in vecs if len(v)]))
         starts = np.flatnonzero(np.r_[True, np.diff(owners) != 0])
         best = np.maximum.reduceat(cos, starts)
         who = [owners[i] for i in starts]
@@ -151,7 +159,7 @@ def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[list[list[float]]], offset: 
                         key=lambda x: (-x[1], x[0]))
     page: list[tuple[int, float | None]] = list(scored[offset:offset + limit])
     if len(page) < limit:
-        page += [(n, None) for n, v in enumerate(vecs) if not v][:limit - len(page)]
+        page += [(n, None) for n, v in enumerate(vecs) if not len(v)][:limit - len(page)]
     return page
 
 
@@ -212,7 +220,8 @@ class MemledgerStore(BaseStore):
         self.source_id = f"langgraph:{name}:{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count(1)
         self._last_us = 0
-        self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
+        #: memory_id -> its field vectors (`_rows`)
+        self._vectors: dict[str, np.ndarray[Any, Any]] = {}
         self._ml = MemoryLedger(url, register_path=register_path)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
@@ -447,7 +456,7 @@ class MemledgerStore(BaseStore):
             return None
         assert op.query is not None
         q = np.asarray(self.embeddings.embed_query(op.query), dtype=float)
-        order = _ranked(q, vecs, op.offset, op.limit)  # type: ignore[arg-type]
+        order = _ranked(q, vecs, op.offset, op.limit)  # type: ignore[arg-type]  # no None
         page = [(cands[n], score) for n, score in order]
         created = store_reads.created_now(store, self.tenant, [c[0].slot for c, _ in page])
         if created is None:
@@ -576,11 +585,12 @@ class MemledgerStore(BaseStore):
             out.extend(get_text_at_path(value, field))
         return out
 
-    async def _vectors_of(self, memory_id: str, value: dict[str, Any]) -> list[list[float]]:
+    async def _vectors_of(self, memory_id: str, value: dict[str, Any]
+                          ) -> np.ndarray[Any, Any]:
         got = self._vectors.get(memory_id)
         if got is None:
             texts = self._texts(value, None)
-            got = list(await self.embeddings.aembed_documents(texts)) if texts else []
+            got = _rows(list(await self.embeddings.aembed_documents(texts)) if texts else [])
             self._vectors[memory_id] = got
         return got
 
@@ -623,7 +633,7 @@ class MemledgerStore(BaseStore):
                 if texts:
                     embed.append((len(events) - 1, texts))
                 else:
-                    self._vectors[events[-1].data["memory_id"]] = []
+                    self._vectors[events[-1].data["memory_id"]] = _rows([])
         for target, row in refresh.items():
             if target in dropped:
                 continue
@@ -645,7 +655,7 @@ class MemledgerStore(BaseStore):
             vecs = list(await self.embeddings.aembed_documents(flat))
             n = 0
             for i, texts in embed:
-                self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
+                self._vectors[events[i].data["memory_id"]] = _rows(vecs[n:n + len(texts)])
                 n += len(texts)
         await self._append(events)
 
