@@ -135,6 +135,34 @@ def _cosine(q: np.ndarray[Any, Any], m: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return out
 
 
+def _rows(vectors: Sequence[Sequence[float]]) -> np.ndarray[Any, Any]:
+    """An item's field vectors as one float array (one row each; none: no rows). Kept
+    so in the store's cache: an array is one object the garbage collector never
+    walks, where a list of lists of floats is several per item."""
+    got = np.asarray(vectors, dtype=float)
+    return got if got.ndim == 2 else got.reshape(len(vectors), 0)
+
+
+def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[np.ndarray[Any, Any]], offset: int,
+            limit: int) -> list[tuple[int, float | None]]:
+    """A ranked page: (candidate number, score) by score (the best of a candidate's
+    field vectors), ties in candidate order, then candidates without vectors (score
+    None) in order while the page has room. One matrix product for all candidates."""
+    owners = [n for n, v in enumerate(vecs) for _ in range(len(v))]
+    scored: list[tuple[int, float]] = []
+    if owners:
+        cos = _cosine(q, np.concatenate([v for v in vecs if len(v)]))
+        starts = np.flatnonzero(np.r_[True, np.diff(owners) != 0])
+        best = np.maximum.reduceat(cos, starts)
+        who = [owners[i] for i in starts]
+        scored = sorted(((n, float(b)) for n, b in zip(who, best, strict=True)),
+                        key=lambda x: (-x[1], x[0]))
+    page: list[tuple[int, float | None]] = list(scored[offset:offset + limit])
+    if len(page) < limit:
+        page += [(n, None) for n, v in enumerate(vecs) if not len(v)][:limit - len(page)]
+    return page
+
+
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
               ml: MemoryLedger, tmpdir: str | None) -> None:
     if loop.is_running():
@@ -192,7 +220,8 @@ class MemledgerStore(BaseStore):
         self.source_id = f"langgraph:{name}:{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count(1)
         self._last_us = 0
-        self._vectors: dict[str, list[list[float]]] = {}  # memory_id -> field vectors
+        #: memory_id -> its field vectors (`_rows`)
+        self._vectors: dict[str, np.ndarray[Any, Any]] = {}
         self._ml = MemoryLedger(url, register_path=register_path)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
@@ -250,13 +279,21 @@ class MemledgerStore(BaseStore):
     # -- BaseStore ---------------------------------------------------------------------
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         ops = list(ops)
-        got = self._read_now(ops)
+        got = self._read_now(ops, embeds=self._embeds_sync)
         return got if got is not None else self._call(self._batch(ops))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         ops = list(ops)
-        got = self._read_now(ops)
+        # no query embedding here: a sync embedder would block the caller's event loop
+        got = self._read_now(ops, embeds=False)
         return got if got is not None else await self._acall(self._batch(ops))
+
+    @property
+    def _embeds_sync(self) -> bool:
+        """Can the calling thread embed a query (not an async-only embed function)?"""
+        return (self.embeddings is not None
+                and not (getattr(self.embeddings, "afunc", None) is not None
+                         and getattr(self.embeddings, "func", None) is None))
 
     # -- the mapping -------------------------------------------------------------------
     def _ns(self, namespace: Sequence[str]) -> list[str]:
@@ -307,19 +344,22 @@ class MemledgerStore(BaseStore):
                 raise ValueError(f"Unknown operation type: {type(op)}")
             validate_op_namespace(op)
 
-    def _read_now(self, ops: list[Op]) -> list[Result] | None:
+    def _read_now(self, ops: list[Op], *, embeds: bool) -> list[Result] | None:
         """A batch of reads answered on the calling thread with point reads (a SQLite
         file: no hop to the store's loop thread, none to the driver's); None when the
         batch writes, ranks by a query, refreshes TTLs, the ledger is not open yet or
         the backend has no point reads, and `_batch` answers it on the loop.
 
         The SQL is the loop path's: the tenant, the principal's prefix, active,
-        unexpired and covered by no tombstone, checked by SQLite on every call."""
+        unexpired and covered by no tombstone, checked by SQLite on every call. A search
+        with a query is answered here when the vectors of every candidate are in the
+        process's cache (`_ranked_now`) and `embeds` (a sync call whose embedder is
+        sync) lets the calling thread embed the query."""
         if not self._opened or self._refreshes or not ops:
             return None
         for op in ops:
             if isinstance(op, PutOp) or (isinstance(op, SearchOp) and op.query
-                                         and self.embeddings):
+                                         and self.embeddings and not embeds):
                 return None
         self._validate(ops)
         store = self._ml.store
@@ -334,7 +374,8 @@ class MemledgerStore(BaseStore):
                     return None
                 results.append(self._item(rows[-1]) if rows else None)
             elif isinstance(op, SearchOp):
-                found = self._search_now(op, now_us)
+                found = (self._ranked_now(op, now_us) if op.query and self.embeddings
+                         else self._search_now(op, now_us))
                 if found is None:
                     return None
                 results.append(found)
@@ -359,9 +400,26 @@ class MemledgerStore(BaseStore):
             limit=op.limit if plain else None, offset=op.offset if plain else 0)
         if rows is None:
             return None
+        kept = self._candidates(op, prefix, rows,
+                                None if plain else op.offset + op.limit)
+        if not plain:
+            kept = kept[op.offset:op.offset + op.limit]
+        created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
+        if created is None:
+            return None
+        return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
+                           created_at=_at(created.get(r.slot) or r.order_key),
+                           updated_at=_at(r.order_key), score=None)
+                for r, ns, value in kept]
+
+    @staticmethod
+    def _candidates(op: SearchOp, prefix: tuple[str, ...], rows: Iterable[Any],
+                    wanted: int | None) -> list[tuple[Any, tuple[str, ...], Any]]:
+        """The rows below `prefix` that pass the filter, with their namespaces and
+        decoded values, in row order; at most `wanted` (rows come in result order: a
+        search stops at its page's end)."""
         kept: list[tuple[Any, tuple[str, ...], Any]] = []
         names: dict[str, tuple[str, ...]] = {}
-        wanted = op.offset + op.limit  # rows come in result order: stop at the page's end
         for r in rows:
             ns = names.get(r.ns_path)
             if ns is None:
@@ -374,17 +432,39 @@ class MemledgerStore(BaseStore):
                                      for k, v in op.filter.items()):
                 continue
             kept.append((r, ns, value))
-            if not plain and len(kept) >= wanted:
+            if wanted is not None and len(kept) >= wanted:
                 break
-        if not plain:
-            kept = kept[op.offset:wanted]
-        created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
+        return kept
+
+    def _ranked_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
+        """A search with a query by point reads on the calling thread: the candidates
+        as `_search_now` finds them (no SQL page: all are ranked), scored against the
+        cached vectors, the created times of the page only. None (the loop path) where
+        point reads are not available or a candidate's vectors are not cached (another
+        process wrote it: the loop path embeds it)."""
+        store = self._ml.store
+        prefix = tuple(op.namespace_prefix)
+        if len(prefix) > MAX_LABELS:
+            return None
+        rows = store_reads.below_now(store, self.tenant, self._prefix(prefix),
+                                     now_us=now_us, owner_prefix=self._owner)
+        if rows is None:
+            return None
+        cands = self._candidates(op, prefix, rows, None)
+        vecs = [self._vectors.get(r.memory_id) for r, _, _ in cands]
+        if any(v is None for v in vecs):
+            return None
+        assert op.query is not None
+        q = np.asarray(self.embeddings.embed_query(op.query), dtype=float)
+        order = _ranked(q, vecs, op.offset, op.limit)  # type: ignore[arg-type]  # no None
+        page = [(cands[n], score) for n, score in order]
+        created = store_reads.created_now(store, self.tenant, [c[0].slot for c, _ in page])
         if created is None:
             return None
         return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
                            created_at=_at(created.get(r.slot) or r.order_key),
-                           updated_at=_at(r.order_key), score=None)
-                for r, ns, value in kept]
+                           updated_at=_at(r.order_key), score=score)
+                for (r, ns, value), score in page]
 
     def _search_plan(self, op: SearchOp) -> tuple[tuple[str, ...], bool]:
         """The search's prefix, and whether SQL can page it (no filter, no ranking)."""
@@ -463,20 +543,9 @@ class MemledgerStore(BaseStore):
             items = self._matching(op, rows)
             assert op.query is not None
             q = np.asarray(await self.embeddings.aembed_query(op.query), dtype=float)
-            scored: list[tuple[float, int, Any, Item]] = []
-            scoreless: list[tuple[Any, Item]] = []
-            for n, (r, it) in enumerate(items):
-                vecs = await self._vectors_of(r.memory_id, it.value)
-                if not vecs:
-                    scoreless.append((r, it))
-                    continue
-                score = float(_cosine(q, np.asarray(vecs, dtype=float)).max())
-                scored.append((score, n, r, it))
-            scored.sort(key=lambda x: (-x[0], x[1]))
-            page = scored[op.offset:op.offset + op.limit]
-            kept: list[tuple[float | None, Any, Item]] = [(s, r, it) for s, _, r, it in page]
-            if scoreless and len(kept) < op.limit:
-                kept.extend((None, r, it) for r, it in scoreless[:op.limit - len(kept)])
+            vecs = [await self._vectors_of(r.memory_id, it.value) for r, it in items]
+            kept: list[tuple[float | None, Any, Item]] = [
+                (score, *items[n]) for n, score in _ranked(q, vecs, op.offset, op.limit)]
         else:
             kept = [(None, r, it) for r, it in self._page(op, rows, plain)]
         if op.refresh_ttl and self._refreshes:
@@ -516,11 +585,12 @@ class MemledgerStore(BaseStore):
             out.extend(get_text_at_path(value, field))
         return out
 
-    async def _vectors_of(self, memory_id: str, value: dict[str, Any]) -> list[list[float]]:
+    async def _vectors_of(self, memory_id: str, value: dict[str, Any]
+                          ) -> np.ndarray[Any, Any]:
         got = self._vectors.get(memory_id)
         if got is None:
             texts = self._texts(value, None)
-            got = list(await self.embeddings.aembed_documents(texts)) if texts else []
+            got = _rows(list(await self.embeddings.aembed_documents(texts)) if texts else [])
             self._vectors[memory_id] = got
         return got
 
@@ -563,7 +633,7 @@ class MemledgerStore(BaseStore):
                 if texts:
                     embed.append((len(events) - 1, texts))
                 else:
-                    self._vectors[events[-1].data["memory_id"]] = []
+                    self._vectors[events[-1].data["memory_id"]] = _rows([])
         for target, row in refresh.items():
             if target in dropped:
                 continue
@@ -585,7 +655,7 @@ class MemledgerStore(BaseStore):
             vecs = list(await self.embeddings.aembed_documents(flat))
             n = 0
             for i, texts in embed:
-                self._vectors[events[i].data["memory_id"]] = vecs[n:n + len(texts)]
+                self._vectors[events[i].data["memory_id"]] = _rows(vecs[n:n + len(texts)])
                 n += len(texts)
         await self._append(events)
 
@@ -609,8 +679,8 @@ class MemledgerStore(BaseStore):
 
     async def _one_round(self) -> None:
         self.rounds += 1
-        head = await self._ml.store.head()
-        await self._ml.runner.catch_up(upto=head)
+        # the head is read inside the round's one view transaction (`Runner.round`)
+        head = await self._ml.runner.round()
         self._projected = max(self._projected, head)
 
     # -- TTL ---------------------------------------------------------------------------

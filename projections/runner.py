@@ -441,6 +441,116 @@ class Runner:
             applied[proj.name] = n
         return applied
 
+    async def round(self, upto: int | None = None) -> int:
+        """Bring every projection to `upto` (default: the head read inside the round)
+        and return the position reached: in ONE view transaction when every projection
+        is within one batch of it, else by `catch_up`.
+
+        The single transaction does what a `step` of each projection does, in the same
+        order (a projection reads the views of those before it, and their checkpoints,
+        as moved already): the checkpoint rows locked (in name order), each
+        projection's events (read once for all, filtered by its `types`) minus its
+        quarantined positions applied, an event that fails alone quarantined
+        (`_apply_plan`), the checkpoints moved. It saves a transaction per projection
+        (the write lock's turn, BEGIN and COMMIT) and the statements every step repeats
+        (head, shard count, events, quarantine, savepoints, checkpoint updates).
+        The ledger's events are committed before (R14); the views change together.
+
+        Falls back to `catch_up` where a step would do more than apply a range: a runner
+        owning shards, a projection at 0 (a bulk load may run) or without a checkpoint
+        row, shard checkpoints ahead of a base, more than `batch_size` positions."""
+        await self.store.open()
+        if self.owned is not None:
+            end = upto if upto is not None else await self.store.head()
+            await self.catch_up(end)
+            return end
+        for proj in self.projections:
+            prepare = getattr(proj, "prepare", None)
+            if prepare is not None:
+                await prepare(self.store, self.batch_size, self.owned)
+        names = [p.name for p in self.projections]
+        cp, sc, qc = t.checkpoints.c, t.shard_checkpoints.c, t.quarantine.c
+        done: list[tuple[Projection, int, list[StoredEvent], list[Failure], float]] = []
+        with no_gc_pauses():
+            async with self.store.view_write() as conn:
+                at = {str(r[0]): int(r[1]) for r in (await conn.execute(for_update(
+                    self.store, select(cp.name, cp.position).where(cp.name.in_(names))
+                    .order_by(cp.name)))).all()}
+                end = upto if upto is not None else await self.store.head(conn)
+                low = min(at.values(), default=0)
+                fused = (len(at) == len(names) and low > 0
+                         and end - low <= self.batch_size
+                         and (await conn.execute(select(sc.projection).where(
+                             sc.projection.in_(names)).limit(1))).first() is None)
+                if fused and end > low:
+                    count = await shards.shard_count(conn)
+                    events = await self.store.read_events(conn, low, end - low, end)
+                    held: dict[str, set[int]] = {}
+                    for name, pos in (await conn.execute(select(qc.projection, qc.position)
+                                      .where(qc.projection.in_(names), qc.position > low,
+                                             qc.position <= end))).all():
+                        held.setdefault(str(name), set()).add(int(pos))
+                    plan: list[tuple[Projection, int, list[StoredEvent]]] = []
+                    for proj in self.projections:
+                        position = at[proj.name]
+                        if end <= position:
+                            continue
+                        await self._check_stale(conn, proj)
+                        mine = held.get(proj.name, set())
+                        plan.append((proj, position, [
+                            se for se in events if se.position > position
+                            and se.position not in mine
+                            and (proj.types is None or se.type in proj.types)]))
+                    # Every checkpoint moves first, in one statement: a projection that
+                    # reads another's position (history, the indexes) finds it where a
+                    # step would, as the one before it has applied the same range.
+                    await conn.execute(update(t.checkpoints).where(
+                        cp.name.in_([p.name for p, _, _ in plan])).values(
+                        position=end, updated_at=time.time()))
+                    started = time.perf_counter()
+                    failures = await self._apply_plan(conn, plan, shards.Scope(count))
+                    for proj, position, batch in plan:
+                        failed = failures.get(proj.name, [])
+                        if failed:
+                            await quarantine.record(conn, proj.name, failed)
+                        done.append((proj, position, batch, failed, started))
+        if not fused:
+            await self.catch_up(end)
+            return end
+        for name, position in at.items():
+            self._left[name] = max(position, end)
+        for proj, position, batch, failed, started in done:
+            self._after_batch(proj, position, end, batch, failed, started)
+        if self._reclaim:
+            self._reclaim = False
+            await self.store.reclaim()
+        for proj, position, _b, _f, _s in done:
+            await self.store.recorder.note_growth([tb.name for tb in proj.tables],
+                                                  end - position)
+            if proj.name in self._stale:
+                self._stale.discard(proj.name)
+                await self.retry_quarantined([proj.name], stale_only=True)
+        return end
+
+    async def _apply_plan(self, conn: AsyncConnection,
+                          plan: Sequence[tuple[Projection, int, list[StoredEvent]]],
+                          scope: shards.Scope) -> dict[str, list[Failure]]:
+        """Apply each projection's batch, in order, in one savepoint; if an event
+        fails, that savepoint is rolled back and each batch is applied as a step
+        does (`_apply_guarded`: bisected down to the events that fail alone)."""
+        with shards.in_scope(scope):
+            try:
+                async with conn.begin_nested():
+                    for proj, _, batch in plan:
+                        if batch:
+                            await proj.apply(self.store, conn, batch)
+                return {}
+            except Exception as e:
+                if not is_poison(e):
+                    raise
+            return {proj.name: await self._apply_guarded(proj, conn, batch)
+                    for proj, _, batch in plan if batch}
+
     async def positions(self, conn: AsyncConnection | None = None) -> dict[str, int]:
         """Each projection's position: its slowest shard's, of the owned shards when the
         runner owns some (read in `conn`, if given; no lock). With no shard owned, the

@@ -147,22 +147,22 @@ async def test_concurrent_calls_share_projection_rounds(db_url: str) -> None:
     listings, searches and deletes of the same keys, all in flight at once. Every call
     finishes with LangGraph's answers, and the writers share catch-ups of the views
     instead of each running its own (one per write starved the 6,000-call original:
-    every catch-up is a write transaction per view, taken in turn)."""
+    every catch-up was a write transaction per view, taken in turn; a round is one)."""
     from memledger.langgraph import AsyncMemledgerStore
 
     n = 30
     async with AsyncMemledgerStore.from_conn_string(db_url) as store:
         await store.setup()
         runner = store._ml.runner
-        catch_ups = 0
-        real = runner.catch_up
+        rounds = 0
+        real = runner.round
 
-        async def counted(upto: int | None = None) -> dict[str, int]:
-            nonlocal catch_ups
-            catch_ups += 1
+        async def counted(upto: int | None = None) -> int:
+            nonlocal rounds
+            rounds += 1
             return await real(upto)
 
-        runner.catch_up = counted  # type: ignore[method-assign]
+        runner.round = counted  # type: ignore[method-assign]
         calls: list[Any] = []
         for i in range(n):
             ns = ("test", "c", str(i % 2))
@@ -179,7 +179,50 @@ async def test_concurrent_calls_share_projection_rounds(db_url: str) -> None:
             assert got is None or got.value["v"] == i  # before or after its own put
             assert results[6 * i + 2] in ([], [("test", "c")])
         writes = 3 * n
-        assert catch_ups <= writes // 4, (catch_ups, writes)
+        assert rounds <= writes // 4, (rounds, writes)
         # the last write of every key was its delete: nothing is left
         assert await store.asearch(("test",), limit=1000) == []
         assert await store.alist_namespaces() == []
+
+
+async def test_a_round_projects_every_view_in_one_transaction_as_steps_would(
+        store: Any, tmp_path: Path) -> None:
+    """`Runner.round` (a store's projection round): after the ledger's commit (R14),
+    every view moves in ONE view transaction, to the same rows a step-by-step catch-up
+    from scratch gives, and an event one view cannot apply is quarantined for that view
+    alone (R17) while the others apply it. A projection at 0 (a possible bulk load)
+    falls back to steps."""
+    from ledger import schema as t
+    from tests.helpers import dump_views, fresh_replay
+    from tests.projections.test_quarantine import POISON, append, runner_with, story
+
+    runner = runner_with(store, "vectors")
+    opened = 0
+    real = store.view_write
+
+    def counted() -> Any:
+        nonlocal opened
+        opened += 1
+        return real()
+
+    store.view_write = counted
+    events = story()
+    at = await append(store, events[:1])
+    assert await runner.round() == at["w-a"]
+    assert opened > 1  # from 0: steps, a transaction each
+    for e in events[1:]:
+        at |= await append(store, [e])
+        before = opened
+        assert await runner.round() == at[e["idempotency_key"]]
+        assert opened - before == 1, e["idempotency_key"]
+    head = await store.head()
+    assert set((await runner.positions()).values()) == {head}
+    async with store.read() as conn:
+        held = (await conn.execute(t.quarantine.select())).all()
+    assert [(r.projection, r.position) for r in held] == [("vectors", at[POISON])]
+    fresh = await fresh_replay(store, tmp_path)
+    try:
+        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
+        assert await dump_views(store, tables) == await dump_views(fresh, tables)
+    finally:
+        await fresh.close()

@@ -77,7 +77,7 @@ def test_caller_thread_reads_answer_as_the_loop_path(sqlite_url: str,
     store = MemledgerStore(url=sqlite_url, principal=principal)
     try:
         store.setup()
-        fast = store._read_now(OPS)
+        fast = store._read_now(OPS, embeds=True)
         assert fast is not None  # taken on this thread
         slow = store._call(store._batch(OPS))
         assert _dicts(fast) == _dicts(slow)
@@ -113,7 +113,7 @@ def test_delete_by_another_process_is_unreadable_at_once(sqlite_url: str) -> Non
     store = MemledgerStore(url=sqlite_url)
     try:
         store.put(("u7", "prefs"), "lang", {"v": "zh"})
-        assert store._read_now([GetOp(("u7", "prefs"), "lang")]) is not None
+        assert store._read_now([GetOp(("u7", "prefs"), "lang")], embeds=True) is not None
         assert store.get(("u7", "prefs"), "lang") is not None
         subprocess.run([sys.executable, "-c", DELETE, sqlite_url], cwd=ROOT, check=True,
                        timeout=120)
@@ -137,3 +137,46 @@ def test_put_and_delete_return_once_every_view_has_them(sqlite_url: str) -> None
         assert set(store._call(ml.runner.positions()).values()) == {head}
     finally:
         store.close()
+
+
+def _embed(texts: list[str]) -> list[list[float]]:
+    return [[float(t.count(c)) for c in "0123456789"] for t in texts]
+
+
+RANKED: list[Any] = [
+    SearchOp(("u7",), query="k1 11", limit=3), SearchOp(("u7",), query="k4", limit=2, offset=2),
+    SearchOp((), query="even 30", filter={"tag": "even"}, limit=20),
+    SearchOp(("u8", "prefs"), query="nothing", limit=10),
+]
+
+
+def test_ranked_search_on_the_caller_thread_answers_as_the_loop_path(
+        sqlite_url: str) -> None:
+    """A search with a query is ranked on the caller's thread (point reads, the
+    vectors this process cached) with the loop path's items, scores and order, items
+    without vectors last; where a candidate's vectors are not cached (written by
+    another store) or the call is async, the loop path answers."""
+    index: Any = {"dims": 10, "embed": _embed, "fields": ["tag", "nested.n"]}
+    store = MemledgerStore(url=sqlite_url, index=index)
+    try:
+        _fill(store)
+        store.put(("u8", "prefs"), "plain", {"tag": "none"}, index=False)
+        fast = store._read_now(RANKED, embeds=True)
+        assert fast is not None
+        slow = store._call(store._batch(RANKED))
+        assert _dicts(fast) == _dicts(slow)
+        assert fast[0] and all(i.score is not None for i in fast[0])
+        assert [i.key for i in fast[3]][-1] == "plain" and fast[3][-1].score is None
+        assert store._read_now(RANKED, embeds=False) is None
+    finally:
+        store.close()
+    other = MemledgerStore(url=sqlite_url, index=index)
+    try:
+        other.setup()
+        assert other._read_now(RANKED[:1], embeds=True) is None  # nothing cached
+        # embedded on first query (with the configured fields: the per-put
+        # `index=False` of "plain", in the last search, is not known to another store)
+        assert _dicts(other.batch(RANKED[:3])) == _dicts(slow[:3])
+        assert other._read_now(RANKED[:3], embeds=True) is not None
+    finally:
+        other.close()
