@@ -136,10 +136,13 @@ class _RetryOnce:
 
 #: Driver errors that mean the connection failed, not the statement: the server ended
 #: the backend (57P01 and the rest of class 57), the connection broke (class 08), the
-#: socket closed under the client.
+#: socket closed under the client, or the client's protocol state was left broken by
+#: the server's unsolicited FATAL message (`InternalClientError`, "another operation is
+#: in progress", seen when a backend is ended while its connection idles).
 _CONNECTION_LOST: Final = (asyncpg.PostgresConnectionError,
                            asyncpg.exceptions.OperatorInterventionError,
-                           asyncpg.InterfaceError, OSError)
+                           asyncpg.InterfaceError, asyncpg.exceptions.InternalClientError,
+                           OSError)
 #: Settings of every memledger session (the pool's and `DriverReads`').
 SERVER_SETTINGS: Final = {
     # A stuck session must not pin the projections behind its snapshot.
