@@ -90,6 +90,19 @@ class PointReads(Protocol):
         ...
 
 
+class DriverReads(Protocol):
+    """Single SELECTs awaited straight on the driver's own connections, past
+    SQLAlchemy's compilation, result and pool machinery
+    (`ledger.backends.postgres.DriverReads`; a protocol here so the interface does not
+    import a backend)."""
+
+    async def rows(self, sql: str, params: Sequence[Any]) -> list[Any] | None:
+        """The rows of one statement in the driver's own SQL (`$n` parameters) and
+        types, or None when it could not run here and now (the caller then takes the
+        `read_once` path, which reports what is wrong)."""
+        ...
+
+
 class WriteLock(Enum):
     """Transaction-scoped locks that serialise one kind of write across processes
     (PostgreSQL advisory locks; SQLite's write transactions are serial already)."""
@@ -218,6 +231,11 @@ class Recorder(ABC):
     def point_reads(self) -> PointReads | None:
         """Synchronous single-statement reads on the calling thread, where the backend
         offers them (SQLite files); None elsewhere: use `read_once`."""
+        return None
+
+    def driver_reads(self) -> DriverReads | None:
+        """Awaited single-statement reads on the driver's own connections, where the
+        backend offers them (PostgreSQL); None elsewhere."""
         return None
 
     def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:

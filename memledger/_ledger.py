@@ -387,7 +387,10 @@ class Principal:
         ns, now_us = self.namespace(namespace), _now_us()
         got = reads.get_now(store, self._who, ns, key, now_us=now_us, task=task,
                             session=session)
-        if got is None:  # no point reads here (PostgreSQL, busy): the async path
+        if got is None:  # PostgreSQL: the statement prepared on a driver connection
+            got = await reads.get_driver(store, self._who, ns, key, now_us=now_us,
+                                         task=task, session=session)
+        if got is None:  # neither here (busy, an error to report): the async path
             async with store.read_once() as conn:
                 got = await reads.get(conn, self._who, ns, key, now_us=now_us, task=task,
                                       session=session)

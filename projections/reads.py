@@ -23,7 +23,7 @@ from ledger.errors import ValidationError
 from ledger.events import NS_SEP, ns_path
 from ledger.forgets import covers_sql
 from ledger.store import Store
-from projections.sql import PointQuery, point_rows, prefix_match
+from projections.sql import PointQuery, driver_rows, point_rows, prefix_match
 
 LAYER_RANK = {"session": 0, "task": 1, "long": 2}
 _CONTROL = re.compile("[\x00-\x1f]")
@@ -155,6 +155,21 @@ def get_now(store: Store, who: Principal, namespace: list[str], key: str, *, now
         return {"found": False}
     rows = point_rows(store, _GET_POINT, _get_values(who, namespace, key, now_us, task,
                                                      session))
+    if rows is None:
+        return None
+    return _best(MemRow._make(r) for r in rows)
+
+
+async def get_driver(store: Store, who: Principal, namespace: list[str], key: str, *,
+                     now_us: int, task: str | None = None, session: str | None = None
+                     ) -> dict[str, Any] | None:
+    """`get` awaited on the driver's own connection where the backend offers it
+    (PostgreSQL: the same statement and filters, prepared once by asyncpg, no
+    SQLAlchemy per call); None where it cannot, and the caller awaits `get` instead."""
+    if not who.owns(namespace):
+        return {"found": False}
+    rows = await driver_rows(store, _GET_POINT, _get_values(who, namespace, key, now_us,
+                                                            task, session))
     if rows is None:
         return None
     return _best(MemRow._make(r) for r in rows)

@@ -30,6 +30,7 @@ from sqlalchemy import (
     text,
     tuple_,
 )
+from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.dialects.postgresql import BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -178,11 +179,31 @@ class PointQuery:
         #: The selected columns that hold sealed content (`ledger.vault`), by index,
         #: with their types: the driver's raw rows skip the types that open them.
         self.sealed: tuple[tuple[int, Any], ...] = sealed_columns(stmt)
+        self._pg: tuple[str, tuple[str, ...], dict[str, Any]] | None = None
 
     def parameters(self, values: dict[str, Any]) -> list[Any]:
         """The positional parameters for `values` (by bind name)."""
         d = self.defaults
         return [values[n] if n in values else d[n] for n in self.names]
+
+    @property
+    def pg(self) -> tuple[str, tuple[str, ...], dict[str, Any]]:
+        """The statement compiled once to PostgreSQL's SQL for asyncpg (`$n`
+        parameters, each bound value cast to its column's type as SQLAlchemy sends it),
+        the bind name of each `$n` and the statement's own values, for `driver_rows`."""
+        got = self._pg
+        if got is None:
+            compiled = self.stmt.compile(
+                dialect=pg_dialect.asyncpg.dialect())  # type: ignore[no-untyped-call]
+            names = compiled.positiontup
+            assert names is not None, "a point query needs positional parameters"
+            got = self._pg = (str(compiled), tuple(names), dict(compiled.params))
+        return got
+
+    def pg_parameters(self, values: dict[str, Any]) -> list[Any]:
+        """The positional parameters of `pg` for `values` (by bind name)."""
+        _, names, d = self.pg
+        return [values[n] if n in values else d[n] for n in names]
 
 
 def point_json_values(name: str) -> Any:
@@ -205,6 +226,21 @@ def point_rows(store: Store, q: PointQuery, values: dict[str, Any], *, opened: b
         return None
     rows = reader.rows(q.sql, q.parameters(values))
     if rows is None or not opened or store.vault is None or not q.sealed or not rows:
+        return rows
+    return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
+
+
+async def driver_rows(store: Store, q: PointQuery, values: dict[str, Any]
+                      ) -> list[tuple[Any, ...]] | None:
+    """The rows of `q` awaited straight on the driver's own connection (PostgreSQL:
+    a statement asyncpg prepared once, no SQLAlchemy per call), as the driver returns
+    them; None where that cannot be done (SQLite, every point-read connection busy, an
+    error the `read_once` path should report): the caller then runs `q.stmt` there."""
+    reader = store.recorder.driver_reads()
+    if reader is None:
+        return None
+    rows = await reader.rows(q.pg[0], q.pg_parameters(values))
+    if rows is None or store.vault is None or not q.sealed or not rows:
         return rows
     return open_columns(rows, q.sealed, store.engine.sync_engine.dialect)
 

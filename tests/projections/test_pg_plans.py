@@ -3,8 +3,10 @@
 A projection batch that scans a view is quadratic over a ledger's life (issue 20: 10k
 events made `memledger project` read 825,000 `mem_versions` rows). These tests run the
 real code paths, collect every statement they send (a `before_cursor_execute`
-listener, no hand-copied SQL), grow the tables to a realistic size and ask PostgreSQL
-for each statement's plan. They also show that the ledger gathers the planner's
+listener, and the point reads' own asyncpg connections: `DriverReads.rows`; no
+hand-copied SQL), grow the tables to a realistic size and ask PostgreSQL for each
+statement's plan (the point reads' also as the generic plan a prepared statement may
+settle on). They also show that the ledger gathers the planner's
 statistics itself as tables grow (R14: the views are derived from the ledger, and
 must keep up with it at any size).
 """
@@ -56,6 +58,30 @@ def _collect(ml: MemoryLedger, seen: dict[str, Any]) -> Any:
 
     event.listen(ml.store.engine.sync_engine, "before_cursor_execute", before)
     return before
+
+
+def _collect_driver(ml: MemoryLedger, seen: dict[str, Any]) -> None:
+    """Record each statement the point reads send on their own asyncpg connections
+    (`DriverReads`, past SQLAlchemy's events): the reader's own `rows` runs them."""
+    reader = ml.store.recorder.driver_reads()
+    assert reader is not None
+    inner = reader.rows
+
+    async def rows(sql: str, params: Any) -> Any:
+        seen[sql] = tuple(params)
+        return await inner(sql, params)
+
+    reader.rows = rows  # type: ignore[method-assign]
+
+
+def _literal(v: Any) -> str:
+    """A bound value of a point read as an SQL literal (strings, integers, NULL)."""
+    if v is None:
+        return "NULL"
+    if isinstance(v, bool | int):
+        return str(int(v))
+    assert isinstance(v, str), type(v)
+    return "'" + v.replace("'", "''") + "'"
 
 
 async def _probes(ml: MemoryLedger) -> None:
@@ -144,8 +170,10 @@ async def test_every_projection_and_read_query_uses_an_index(pg_url: str,
     the read paths (get, history, tasks, covered_by, recall, the store reads) send is
     planned, on tables of about 120k rows, without a sequential scan of any large table."""
     seen: dict[str, Any] = {}
+    driver: dict[str, Any] = {}
     async with MemoryLedger(pg_url, register_path=str(tmp_path / "f")) as ml:
         listener = _collect(ml, seen)
+        _collect_driver(ml, driver)
         events = mixed_events(LEDGER_EVENTS, seed=5, tenants=4)
         for i in range(0, len(events), 1000):
             await ml.store.append(events[i:i + 1000])
@@ -157,7 +185,21 @@ async def test_every_projection_and_read_query_uses_an_index(pg_url: str,
             sizes = await _row_counts(conn)
             assert sizes["mem_versions"] > 100_000 and sizes["events"] > 100_000
             offenders = []
-            for statement, params in seen.items():
+            # The point reads' statements are prepared once per connection: after five
+            # runs PostgreSQL may keep a generic plan (no values), which must use an
+            # index too.
+            for n, (statement, params) in enumerate(driver.items()):
+                await conn.exec_driver_sql(f"PREPARE point_{n} AS {statement}")
+                await conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+                got = (await conn.exec_driver_sql(
+                    f"EXPLAIN (FORMAT JSON) EXECUTE point_{n}"
+                    f"({', '.join(map(_literal, params))})")).scalar_one()
+                await conn.exec_driver_sql("RESET plan_cache_mode")
+                plan = (orjson.loads(got) if isinstance(got, str | bytes) else got)[0]["Plan"]
+                big = [r for r in _scans(plan) if sizes.get(r, 0) >= SCAN_LIMIT_ROWS]
+                if big:
+                    offenders.append(f"generic {big}: {' '.join(statement.split())[:300]}")
+            for statement, params in [*seen.items(), *driver.items()]:
                 got = (await conn.exec_driver_sql(
                     "EXPLAIN (FORMAT JSON) " + statement, tuple(params))).scalar_one()
                 plan = (orjson.loads(got) if isinstance(got, str | bytes) else got)[0]["Plan"]
@@ -166,6 +208,7 @@ async def test_every_projection_and_read_query_uses_an_index(pg_url: str,
                     offenders.append(f"{big}: {' '.join(statement.split())[:300]}")
             await conn.rollback()
     assert len(seen) > 40  # the probes reached the projection and read paths
+    assert driver  # and `get`'s point read on the driver's connections
     assert not offenders, "\n".join(offenders)
 
 
