@@ -18,11 +18,12 @@ In the same run, over the same conversations and the same questions:
   written through `Store.append` and projected by `Runner.catch_up`; every returned
   item's owner is checked (items of another conversation's user count as leaks).
 
-Each embedder that is available runs: the offline default (`hashgram-v1-512`, with the
-bilingual concept list shaped by the project's examples), the same hashed embedder
-without the list (`hashgram-v2-512`) and, when `memledger[models]` is installed, the
-packaged models. The bilingual fixture (`tests/fixtures/recall_fixture.json`) is run through the
-pipeline with each embedder too (recall@5, as tests/projections/test_recall.py counts it).
+Each embedder that is available runs: the offline default (`hashgram-v2-512`), the same
+hashed embedder with the bilingual concept list shaped by the project's examples
+(`hashgram-v1-512`, the default until 2026-12-02) and, when `memledger[models]` is
+installed, the packaged models. The bilingual fixture
+(`tests/fixtures/recall_fixture.json`) is run through the pipeline with each embedder
+too (recall@5, as tests/projections/test_recall.py counts it).
 
 Data: the LoCoMo release (snap-research/locomo, `locomo10`, one JSON file per
 conversation) in `MEMLEDGER_LOCOMO_DIR` (default: `shared/data/locomo` beside the

@@ -171,8 +171,8 @@ class MemoryLedger:
         """Record the ledger's embedder (`memledger config set embedder NAME`): every
         process that opens the ledger then indexes and recalls with it.
 
-        `name` is a built-in (`hashgram` or `hashgram-v1-512`, the default, with the
-        bilingual concept list; `hashgram-v2-512`, without it; `minilm`, `e5-small` with
+        `name` is a built-in (`hashgram` or `hashgram-v2-512`, the default;
+        `hashgram-v1-512`, with the bilingual concept list; `minilm`, `e5-small` with
         `memledger[models]`) or a name registered with
         `projections.vectors.register_embedder`; an unknown name, or a model whose
         package is not installed here, raises `ValidationError` and records nothing.

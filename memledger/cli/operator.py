@@ -313,9 +313,8 @@ def _add_config(aud: Audience) -> None:
     gt = handles(actions.add_parser("get", help="one setting"), cmd_config)
     gt.add_argument("setting", help="embedder")
     st = handles(actions.add_parser(
-        "set", help="record a setting; `set embedder NAME` (hashgram = hashgram-v1-512, "
-                    "the default, with the bilingual concept list; hashgram-v2-512, without; "
-                    "minilm, "
+        "set", help="record a setting; `set embedder NAME` (hashgram = hashgram-v2-512, "
+                    "the default; hashgram-v1-512, with the bilingual concept list; minilm, "
                     "e5-small) then rebuilds the vector index with it"), cmd_config)
     st.add_argument("setting", help="embedder")
     st.add_argument("value", help="the embedder's name")

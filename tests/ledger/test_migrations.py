@@ -89,9 +89,11 @@ async def test_upgraded_baseline_reads_verifies_and_writes(baseline_url: str,
     (R20)."""
     await migrations.upgrade(baseline_url)
     async with MemoryLedger(baseline_url, register_path=str(tmp_path / "r.forgets")) as ml:
-        # Its vectors are hashgram-v1-512 and nothing is recorded: it uses v1 (issue 18).
+        # Its vectors are hashgram-v1-512 (the default then) and nothing is recorded: it
+        # keeps v1, and verify's fresh replay embeds with v1 too (issue 18).
         setting = await ml.embedder()
-        assert (setting.name, setting.index_current) == ("hashgram-v1-512", True)
+        assert (setting.name, setting.source, setting.index_current) == (
+            "hashgram-v1-512", "vectors", True)
         verified = await verify(ml.store)
         assert verified["ok"] is True and verified["head"] == 11, verified
         u7 = ml.principal("shop-a/u7")

@@ -84,7 +84,7 @@ def test_config_embedder_set_get_show_and_status(tmp_path: Path) -> None:
     cli.append([write("reply_language", "Simplified Chinese", memory_id="A")])
     cli.run("project")
     got = cli.json("config", "get", "embedder")
-    assert (got["name"], got["source"], got["recorded"]) == ("hashgram-v1-512", "default", None)
+    assert (got["name"], got["source"], got["recorded"]) == ("hashgram-v2-512", "default", None)
     bad = cli.run("config", "set", "embedder", "no-such-model", check=1)
     assert b"unknown embedder" in bad.stderr
     res = cli.json("config", "set", "embedder", "hashgram-v1-256", "--quiet")

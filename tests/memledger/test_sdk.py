@@ -260,7 +260,7 @@ def test_public_names() -> None:
 async def test_sdk_sets_and_reads_the_embedder(db_url: str, register_path: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """`MemoryLedger.embedder()` / `set_embedder()` (issue 18): a new ledger uses the
-    default, hashgram-v1-512; an unknown name is refused and records nothing; a known one
+    default, hashgram-v2-512; an unknown name is refused and records nothing; a known one
     is recorded and the index is rebuilt with it before the call returns, and recall
     then scores with it (R14: never against another model's vectors)."""
     monkeypatch.delenv("MEMLEDGER_EMBEDDER", raising=False)
@@ -271,16 +271,16 @@ async def test_sdk_sets_and_reads_the_embedder(db_url: str, register_path: str,
         now = await ml.embedder()
         assert isinstance(now, memledger.EmbedderSetting)
         assert (now.name, now.source, now.recorded, now.dim, now.index_current) == (
-            "hashgram-v1-512", "default", None, 512, True)
+            "hashgram-v2-512", "default", None, 512, True)
         with pytest.raises(memledger.ValidationError, match="unknown embedder"):
             await ml.set_embedder("no-such-model")
         assert (await ml.embedder()).recorded is None
-        v2 = await ml.set_embedder("hashgram-v2-512")
-        assert (v2.name, v2.source, v2.recorded, v2.index_models, v2.index_current) == (
-            "hashgram-v2-512", "recorded", "hashgram-v2-512", {"hashgram-v2-512": 1}, True)
+        v1 = await ml.set_embedder("hashgram-v1-512")
+        assert (v1.name, v1.source, v1.recorded, v1.index_models, v1.index_current) == (
+            "hashgram-v1-512", "recorded", "hashgram-v1-512", {"hashgram-v1-512": 1}, True)
         ctx = await u7.recall("which language do I want replies in?")
         assert [i.key for i in ctx.items] == ["reply_language"]
         assert "semantic" in ctx.items[0].reason
         later = await ml.set_embedder("hashgram", rebuild=False)
         assert (later.name, later.recorded, later.index_current) == (
-            "hashgram-v1-512", "hashgram-v1-512", False)
+            "hashgram-v2-512", "hashgram-v2-512", False)

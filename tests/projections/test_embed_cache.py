@@ -207,7 +207,7 @@ async def test_recorded_embedder_is_used_and_set_rebuilds(store: Store, model: C
     await append(store, write("reply_language", "Simplified Chinese", memory_id="A",
                               source=src(at=at(1))))
     await Runner(store).catch_up()
-    assert (await status_report(store))["embedder"]["name"] == "hashgram-v1-512"
+    assert (await status_report(store))["embedder"]["name"] == "hashgram-v2-512"
     res = await config.set_embedder(store, "counting-model-v1")
     assert (res["changed"], res["model"], res["was"]) == (True, "counting-model-v1", None)
     async with store.read() as conn:

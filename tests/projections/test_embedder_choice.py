@@ -1,11 +1,11 @@
-"""Which embedder a ledger uses (issue 18; docs/recall.md, "Embedders"): a new ledger
-gets the default (`DEFAULT_EMBEDDER`) without recording it; a ledger whose vectors were
-made by another hashgram version (say, the default before a change of it) and that has
-nothing recorded keeps that version, records it at its next index batch, and keeps it
-through a rebuild; a name recorded as the bare `hashgram` means the version the ledger
-holds. Recall never compares a query with vectors of another model (R14).
+"""Which embedder a ledger uses (issue 18; docs/recall.md, "Embedders" and "The concept
+list"): a new ledger gets the default, hashgram-v2-512 (no concept list), without
+recording it; a ledger whose vectors were made by hashgram-v1-512 (the former default)
+keeps v1, records it at its next index batch, and keeps it through a rebuild and in
+`replay verify`'s fresh replay; a name recorded as the bare `hashgram` when it meant v1
+still means v1. Recall never compares a query with vectors of another model (R14).
 
-Both backends (the `store` fixture). Each test writes two memories.
+Both backends (the `store` fixture). Each test writes two or three memories.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from replay.rebuild import rebuild
 from tests.factories import src, write
 
 NOW = 1_790_000_000_000_000
-#: The hashgram version that is not the default: what an older default would have written.
-OTHER = "hashgram-v2-512" if DEFAULT_EMBEDDER == "hashgram-v1-512" else "hashgram-v1-512"
 
 
 def at(minute: int) -> str:
@@ -88,44 +86,46 @@ async def test_new_ledger_uses_v2_without_recording_it(
     assert await semantic_hit(store, "which language should replies use")
 
 
-async def test_ledger_built_with_another_version_keeps_it(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ledger whose vectors are of the other hashgram version and that has no recorded
-    embedder (one built before a change of the default) goes on with its version:
-    recall queries with it, the next index batch records it, and a rebuild of the index
-    (which empties it first) keeps it."""
-    monkeypatch.setenv(EMBEDDER_ENV, OTHER)  # how the older default wrote it
+async def test_ledger_built_with_v1_keeps_v1(store: Store,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ledger whose vectors are hashgram-v1-512 and that has no recorded embedder (one
+    built before the default changed) goes on with v1: recall queries with v1, the next
+    index batch records it, and a rebuild of the index keeps it."""
+    monkeypatch.setenv(EMBEDDER_ENV, "hashgram-v1-512")  # how the old default wrote it
     await put(store, "reply_language", "Simplified Chinese", "A", 1)
     monkeypatch.delenv(EMBEDDER_ENV)
-    assert await resolved(store) == ((OTHER, "vectors"), None)
-    assert (await store_embedder(store)).name == OTHER
+    assert await resolved(store) == (("hashgram-v1-512", "vectors"), None)
+    assert (await store_embedder(store)).name == "hashgram-v1-512"
     assert await semantic_hit(store, "which language should replies use")
 
     await put(store, "reply_style", "brief answers", "B", 2)
-    assert await resolved(store) == ((OTHER, "recorded"), OTHER)
-    assert await models(store) == {"vectors": {OTHER}, "history": {OTHER}}
+    assert await resolved(store) == (("hashgram-v1-512", "recorded"), "hashgram-v1-512")
+    assert await models(store) == {"vectors": {"hashgram-v1-512"},
+                                   "history": {"hashgram-v1-512"}}
     await rebuild(store, ["vectors"], restart=True)
-    assert (await models(store))["vectors"] == {OTHER}
-    # `replay verify` replays with the recorded name (replay/verify/views.py copies it).
+    assert (await models(store))["vectors"] == {"hashgram-v1-512"}
+    # `replay verify` replays it with v1 too: tests/ledger/test_migrations.py checks that
+    # on a real ledger made before the change (d2f33e6, v1 vectors, nothing recorded).
 
 
 async def test_recorded_bare_hashgram_means_the_version_held(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`hashgram` recorded by an older release keeps meaning the version the ledger's
-    vectors carry (settled to the full name at the next batch); `config set embedder
-    hashgram` records the default's full name and rebuilds the index with it."""
-    monkeypatch.setenv(EMBEDDER_ENV, OTHER)
+    """`hashgram` recorded when it meant hashgram-v1 keeps meaning v1 for that ledger
+    (settled to the full name at the next batch); `config set embedder hashgram` now
+    records the default, v2, and rebuilds the index with it."""
+    monkeypatch.setenv(EMBEDDER_ENV, "hashgram-v1-512")
     await put(store, "reply_language", "Simplified Chinese", "A", 1)
     monkeypatch.delenv(EMBEDDER_ENV)
     async with store.view_write() as conn:
         await record_embedder(conn, "hashgram")
-    assert await resolved(store) == ((OTHER, "recorded"), "hashgram")
+    assert await resolved(store) == (("hashgram-v1-512", "recorded"), "hashgram")
     await put(store, "reply_style", "brief answers", "B", 2)
-    assert await resolved(store) == ((OTHER, "recorded"), OTHER)
-    assert (await models(store))["vectors"] == {OTHER}
+    assert await resolved(store) == (("hashgram-v1-512", "recorded"), "hashgram-v1-512")
+    assert (await models(store))["vectors"] == {"hashgram-v1-512"}
 
     res = await config.set_embedder(store, "hashgram")
-    assert (res["embedder"], res["was"], res["changed"]) == (DEFAULT_EMBEDDER, OTHER, True)
+    assert (res["embedder"], res["was"], res["changed"]) == (
+        DEFAULT_EMBEDDER, "hashgram-v1-512", True)
     assert (await models(store))["vectors"] == {DEFAULT_EMBEDDER}
     assert await semantic_hit(store, "which language should replies use")
 

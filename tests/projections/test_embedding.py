@@ -79,7 +79,7 @@ def cos(embedder: Embedder, a: str, b: str) -> float:
 
 @pytest.fixture(scope="module")
 def hashgram() -> HashedNgramEmbedder:
-    """Provide the default offline embedder (hashgram-v1-512, with the concept list)."""
+    """Provide the default offline embedder (hashgram-v2-512, no concept list)."""
     return HashedNgramEmbedder()
 
 
@@ -97,23 +97,22 @@ def test_default_embedder_satisfies_protocol(hashgram: HashedNgramEmbedder) -> N
     """The default embedder is an Embedder whose name records its width."""
     assert isinstance(hashgram, Embedder)
     assert hashgram.dim == 512
-    assert hashgram.name == "hashgram-v1-512" == DEFAULT_EMBEDDER
-    assert hashgram.concepts
+    assert hashgram.name == "hashgram-v2-512" == DEFAULT_EMBEDDER
+    assert not hashgram.concepts
 
 
 def test_get_embedder_resolves_names() -> None:
     """get_embedder returns the hashed embedder for None, "hashgram" and stored names:
-    the bare name is the default (v1, with the concept list), v2 (without) is selectable
-    by name, and the name its vectors carry is `canonical_name`'s (issue 18)."""
-    for name in (None, "hashgram", " HashGram ", "hashgram-v1-512"):
+    the bare name is the default (v2, no concept list), v1 stays selectable by name, and
+    the name its vectors carry is `canonical_name`'s (issue 18)."""
+    for name in (None, "hashgram", " HashGram ", "hashgram-v2-512", "hashgram-nc"):
         emb = get_embedder(name)
         assert isinstance(emb, HashedNgramEmbedder)
-        assert (emb.name, emb.concepts) == ("hashgram-v1-512", True)
+        assert (emb.name, emb.concepts) == ("hashgram-v2-512", False)
         assert canonical_name(name) == emb.name
-    for name in ("hashgram-v2-512", "hashgram-nc"):
-        v2 = get_embedder(name)
-        assert isinstance(v2, HashedNgramEmbedder)
-        assert (v2.name, v2.concepts) == ("hashgram-v2-512", False)
+    v1 = get_embedder("hashgram-v1-512")
+    assert isinstance(v1, HashedNgramEmbedder)
+    assert (v1.name, v1.concepts) == ("hashgram-v1-512", True)
     narrow = get_embedder("hashgram-v1-256")
     assert narrow.dim == 256
     assert narrow.name == "hashgram-v1-256"
@@ -124,14 +123,15 @@ def test_get_embedder_resolves_names() -> None:
             get_embedder(bad)
 
 
-def test_v1_and_v2_differ_only_by_the_concept_list(hashgram_v1: HashedNgramEmbedder) -> None:
+def test_v1_and_v2_differ_only_by_the_concept_list(
+    hashgram: HashedNgramEmbedder, hashgram_v1: HashedNgramEmbedder
+) -> None:
     """A text without a concept term gets the same vector from both versions; one with
     a term differs (so the two need, and have, different names)."""
-    v2 = get_embedder("hashgram-v2-512")
     plain = ["speaker A: we adopted a puppy named Rex", "周三去公园散步"]
-    assert np.array_equal(v2.embed(plain), hashgram_v1.embed(plain))
+    assert np.array_equal(hashgram.embed(plain), hashgram_v1.embed(plain))
     listed = ["refund for order B7781", "退款"]
-    assert not np.array_equal(v2.embed(listed), hashgram_v1.embed(listed))
+    assert not np.array_equal(hashgram.embed(listed), hashgram_v1.embed(listed))
 
 
 def test_embed_is_deterministic_across_calls(hashgram: HashedNgramEmbedder) -> None:
@@ -235,7 +235,7 @@ def test_concept_list_bridges_languages(
     hashgram_v1: HashedNgramEmbedder, anchor: str, related: str, unrelated: str
 ) -> None:
     """hashgram-v1's concept list puts a translation closer to its anchor than an
-    unrelated memory (v2, without it, has no bridge between languages: texts sharing
+    unrelated memory (the default, v2, has no bridge between languages: texts sharing
     no word or character score by hash noise alone)."""
     assert cos(hashgram_v1, anchor, related) > cos(hashgram_v1, anchor, unrelated)
 
@@ -247,7 +247,7 @@ HASHGRAM_V1_512_FIXTURE_SHA256 = (
     "99db6dd1dff5bbc538f8c385716151c14cf8c30d9b484509475f4a2abad5eb31")
 
 
-#: The same under hashgram-v2-512 (no concept list).
+#: The same under hashgram-v2-512 (the default).
 HASHGRAM_V2_512_FIXTURE_SHA256 = (
     "80ccf54cc5362b7a1d9a41e30f2f74bb9e913f31585d3d8c78b9fd286d57cc00")
 

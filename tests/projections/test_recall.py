@@ -115,10 +115,9 @@ async def test_retrieval_quality_through_the_pipeline(store: Store,
 
     The ledger is pinned to hashgram-v1-512: half of the fixture's queries ask in one
     language after a memory written in the other, and only v1's concept list (shaped by
-    this fixture) bridges them without a model (v1 is the default today; pinned so the
-    test keeps its subject if the default changes). hashgram-v2-512 has no such bridge
-    (0.56 here, `make eval`; docs/recall.md, "The concept list"); what isolates users
-    does not depend on the embedder (the filter runs before ranking)."""
+    this fixture) bridges them without a model. The default, hashgram-v2-512, has no
+    such bridge (0.56 here, `make eval`; docs/recall.md, "The concept list"); what
+    isolates users does not depend on the embedder (the filter runs before ranking)."""
     monkeypatch.setenv(EMBEDDER_ENV, "hashgram-v1-512")
     await load_fixture(store)
     score, leaked, returned = await recall_at_5(store)
@@ -356,6 +355,21 @@ async def test_a_specific_question_picks_its_task(store: Store) -> None:
     vague = await run(store, "how is that ticket going?")
     assert sorted((x["task_key"], x["ambiguous"]) for x in vague["tasks"]) == [
         ("T900", True), ("T901", True)]
+
+
+async def test_a_task_noun_asks_after_tasks_and_nothing_else_does(store: Store) -> None:
+    """A query holding a task noun of the index label ("ticket", "工单") asks after the
+    user's open tasks without naming one; a query about something else offers none (R4)."""
+    await open_task(store, "T900", "left earbud crackles, inspection requested",
+                    {"order": "A123"})
+    await Runner(store).catch_up()
+    for query in ("ticket status", "any update on my issue", "我的任务呢"):
+        res = await run(store, query)
+        assert [x["task_key"] for x in res["tasks"]] == ["T900"], query
+        assert "without naming it" in res["tasks"][0]["reason"] or \
+            "semantic match" in res["tasks"][0]["reason"]
+    for query in ("which language should replies use?", "my favourite colour"):
+        assert (await run(store, query))["tasks"] == [], query
 
 
 async def test_several_matching_tickets_are_ambiguous(store: Store) -> None:
