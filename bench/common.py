@@ -136,6 +136,23 @@ def say(msg: str) -> None:
 # -- temp directories and databases -------------------------------------------------------
 
 @contextlib.contextmanager
+def vault_off() -> Iterator[None]:
+    """Ledgers made and opened inside run without the vault (`MEMLEDGER_VAULT=off`, also
+    in child processes): for the modules whose raw sqlite3 baseline reads the ledger's
+    payloads in clear, so both sides do the same work. The vault's own cost, with and
+    without it in one run, is the `vault` module's."""
+    old = os.environ.get("MEMLEDGER_VAULT")
+    os.environ["MEMLEDGER_VAULT"] = "off"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MEMLEDGER_VAULT"]
+        else:
+            os.environ["MEMLEDGER_VAULT"] = old
+
+
+@contextlib.contextmanager
 def workdir(name: str) -> Iterator[Path]:
     """A fresh temporary directory, removed afterwards: never the user's memledger.db."""
     with tempfile.TemporaryDirectory(prefix=f"memledger-bench-{name}-") as d:
