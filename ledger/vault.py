@@ -1224,13 +1224,9 @@ class SealedPayload(TypeDecorator[bytes]):
         return None if vault is None else vault.open(blob)
 
 
-class KeyedPayload(SealedPayload):
-    """`SealedPayload` that also tells which key sealed a payload: a sealed value reads
-    as `(plaintext, key id)` (plaintext None once the key is destroyed, or without a
-    vault), one in clear as it is (`split_keyed` takes either apart). For readers
-    whose view copies are sealed under the event's own key (`keyed`)."""
-
-    cache_ok = True
+class _KeyedBlob:
+    """A sealed binary column read as `(plaintext, key id)` when sealed (plaintext None
+    once the key is destroyed, or without a vault), as it is when in clear."""
 
     def process_result_value(self, value: Any, dialect: Dialect) -> Any:
         if value is None or not is_sealed(value):
@@ -1240,17 +1236,18 @@ class KeyedPayload(SealedPayload):
         return (None if vault is None else vault.open(blob)), sealed_key_id(blob)
 
 
-class KeyedView(SealedView):
+class KeyedPayload(_KeyedBlob, SealedPayload):
+    """`SealedPayload` that also tells which key sealed a payload (`_KeyedBlob`;
+    `split_keyed` takes either form apart). For readers whose view copies are sealed
+    under the event's own key (`keyed`)."""
+
+    cache_ok = True
+
+
+class KeyedView(_KeyedBlob, SealedView):
     """`SealedView` read as `(plaintext, key id)` when sealed (`KeyedPayload`)."""
 
     cache_ok = True
-
-    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
-        if value is None or not is_sealed(value):
-            return value
-        blob = bytes(value)
-        vault = _vault_of(dialect)
-        return (None if vault is None else vault.open(blob)), sealed_key_id(blob)
 
 
 class KeyedText(SealedText):

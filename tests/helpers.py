@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import LargeBinary, select, type_coerce
 
 from ledger import schema as t
 from ledger.store import Store
+from ledger.vault import is_sealed, sealed_key_id
 from projections.runner import Runner
 
 #: Columns that cite ledger positions: they depend on arrival order by nature.
@@ -43,3 +44,14 @@ async def fresh_replay(store: Store, tmp_path: Path, name: str = "fresh", *,
                 await dst.execute(table.insert(), rows)
     await Runner(fresh, batch_size=batch_size).catch_up()
     return fresh
+
+
+async def sealed_key_ids(store: Store) -> dict[str, str]:
+    """Idempotency key -> the key id its sealed payload names (a pool key, or the
+    derived id of a ledger sealed before the pool)."""
+    e = t.events.c
+    async with store.read() as conn:
+        rows = (await conn.execute(select(e.idempotency_key, type_coerce(
+            e.payload, LargeBinary)))).all()
+    return {r[0]: sealed_key_id(bytes(r[1])) for r in rows
+            if r[1] is not None and is_sealed(bytes(r[1]))}

@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import LargeBinary, select, type_coerce
 
-from ledger import schema as t
 from ledger.store import Store
 from ledger.validation import parse_event
 from ledger.vault import (
@@ -37,6 +35,7 @@ from ledger.vault import (
 from projections.runner import Runner
 from replay.verify import verify
 from tests.factories import src, write
+from tests.helpers import sealed_key_ids
 
 _REC_HEAD = 1 + 16 + 2  # tag, key id, length (ledger.vault._REC)
 
@@ -58,16 +57,6 @@ def key_records(path: Path) -> dict[str, tuple[int, bytes]]:
         i += _REC_HEAD + n
         out[kid] = (i, tag)
     return out
-
-
-async def sealed_ids(store: Store) -> dict[str, str]:
-    """Idempotency key -> the key id its sealed payload names."""
-    e = t.events.c
-    async with store.read() as conn:
-        rows = (await conn.execute(select(e.idempotency_key, type_coerce(
-            e.payload, LargeBinary)))).all()
-    return {r[0]: sealed_key_id(bytes(r[1])) for r in rows
-            if r[1] is not None and is_sealed(bytes(r[1]))}
 
 
 async def test_a_pool_is_fsynced_before_its_keys_seal_an_event(
@@ -117,7 +106,7 @@ async def test_a_pool_is_fsynced_before_its_keys_seal_an_event(
                                                   source=src(at=at(i)))) for j in range(2)])
         assert len(checked) == len(set(checked)) == 80  # a fresh key an event
         assert pools[0] == 2  # 64, then 128: not one provisioning per commit
-        assert set(await sealed_ids(store)) == {f"a{i}.{j}" for i in range(40)
+        assert set(await sealed_key_ids(store)) == {f"a{i}.{j}" for i in range(40)
                                                 for j in range(2)}
     finally:
         await store.close()
@@ -142,7 +131,7 @@ async def test_a_clean_close_removes_unused_pool_keys(db_url: str, tmp_path: Pat
         assert store.vault is not None
         unused = list(store.vault._pool)
         assert len(unused) == POOL_FIRST - 3
-        used = await sealed_ids(store)
+        used = await sealed_key_ids(store)
     finally:
         await store.close()
     fresh = _key_store(db_url, tmp_path)

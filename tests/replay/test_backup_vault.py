@@ -45,6 +45,7 @@ from replay.errors import KeyStoreMissing
 from replay.verify import verify
 from replay.verify.forgotten import verify_forgotten
 from tests.factories import event, src, write
+from tests.helpers import sealed_key_ids
 
 U7 = reads.Principal("shop-a", "u7")
 NS7 = ["shop-a", "u7", "preferences"]
@@ -143,16 +144,6 @@ async def append(store: Store, evs: list[dict[str, Any]]) -> None:
     await Runner(store).catch_up()
 
 
-async def key_ids(store: Store) -> dict[str, str]:
-    """Idempotency key -> the key id its sealed payload names (a pool key)."""
-    e = t.events.c
-    async with store.read() as conn:
-        rows = (await conn.execute(select(e.idempotency_key, type_coerce(
-            e.payload, LargeBinary)))).all()
-    return {r[0]: sealed_key_id(bytes(r[1])) for r in rows
-            if r[1] is not None and is_sealed(bytes(r[1]))}
-
-
 async def test_backup_before_forget_holds_nothing_readable(db_url: str,
                                                            tmp_path: Path) -> None:
     """A backup taken before a forget and a purge, searched after them, holds neither
@@ -167,7 +158,7 @@ async def test_backup_before_forget_holds_nothing_readable(db_url: str,
         await append(store, story())
         res = await backup(store, path)
         assert res["sealed_payloads"] == 4
-        ids = await key_ids(store)
+        ids = await sealed_key_ids(store)
         await append(store, FORGETS)
         assert store.vault is not None
         # The forget by key covers the pin; the purge covers the task's open and note.
@@ -328,7 +319,7 @@ async def _interleaving(where: Path, ops: list[tuple[str, int]]) -> None:
                     await append(store, [write(key, f"val-{n}", idem=idem,
                                                source=src(at=at(n)))])
                     written.append((derive_memory_id("shop-a", idem),
-                                    (await key_ids(store))[idem]))
+                                    (await sealed_key_ids(store))[idem]))
                 elif op == "forget":
                     await append(store, [event("memory.forgotten",
                                                {"namespace": NS7, "key": key},
