@@ -134,10 +134,12 @@ async def stored_model(conn: AsyncConnection, family: str | None = None) -> str 
     """A model name the ledger's stored vectors carry (the index's, else the stored
     history's), of the `family` (a name prefix) when given; None when there are none.
     One row of each table is read: a ledger's vectors are of one model, except while a
-    change of embedder is being rebuilt, and then the new one is recorded."""
+    change of embedder is being rebuilt, and then the new one is recorded. The rows are
+    read in primary-key order, so the first one comes off the key's index (a plain
+    `LIMIT 1` may plan a sequential scan on PostgreSQL, tests/projections/test_pg_plans.py)."""
     for table in (t.vectors, t.mem_history):
         model = table.c.model
-        q = select(model).where(model.is_not(None))
+        q = select(model).where(model.is_not(None)).order_by(*table.primary_key.columns)
         if family is not None:
             q = q.where(model.startswith(family + "-", autoescape=True))
         row = (await conn.execute(q.limit(1))).first()
