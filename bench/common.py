@@ -136,20 +136,25 @@ def say(msg: str) -> None:
 # -- temp directories and databases -------------------------------------------------------
 
 @contextlib.contextmanager
-def vault_off() -> Iterator[None]:
-    """Ledgers made and opened inside run without the vault (`MEMLEDGER_VAULT=off`, also
-    in child processes): for the modules whose raw sqlite3 baseline reads the ledger's
-    payloads in clear, so both sides do the same work. The vault's own cost, with and
-    without it in one run, is the `vault` module's."""
-    old = os.environ.get("MEMLEDGER_VAULT")
-    os.environ["MEMLEDGER_VAULT"] = "off"
+def env_set(name: str, value: str) -> Iterator[None]:
+    """`os.environ[name] = value` for the block (child processes too), then as before."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["MEMLEDGER_VAULT"]
+            del os.environ[name]
         else:
-            os.environ["MEMLEDGER_VAULT"] = old
+            os.environ[name] = old
+
+
+def vault_off() -> contextlib.AbstractContextManager[None]:
+    """Ledgers made and opened inside run without the vault (`MEMLEDGER_VAULT=off`, also
+    in child processes): for the modules whose raw sqlite3 baseline reads the ledger's
+    payloads in clear, so both sides do the same work. The vault's own cost, with and
+    without it in one run, is the `vault` module's."""
+    return env_set("MEMLEDGER_VAULT", "off")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import random
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -37,6 +37,7 @@ from bench.common import (
     BASE_US,
     Clock,
     at,
+    env_set,
     main,
     no_gc,
     percentile,
@@ -102,18 +103,9 @@ async def build(path: Path, events: Sequence[Event]) -> tuple[Store, float]:
     return store, c.seconds
 
 
-@contextlib.contextmanager
-def snapshots_off() -> Iterator[None]:
+def snapshots_off() -> contextlib.AbstractContextManager[None]:
     """Recall without reading or writing snapshot files (`MEMLEDGER_RECALL_SNAPSHOTS`)."""
-    old = os.environ.get(matrix_snapshot.ENV)
-    os.environ[matrix_snapshot.ENV] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[matrix_snapshot.ENV]
-        else:
-            os.environ[matrix_snapshot.ENV] = old
+    return env_set(matrix_snapshot.ENV, "0")
 
 
 async def pipeline_latencies(store: Store, asks: Sequence[tuple[str, str]],

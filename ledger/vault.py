@@ -606,22 +606,22 @@ class FileKeyStore(KeyStore):
                     self._plain.pop(k, None)
 
     def _remove(self, ids: Sequence[str]) -> None:
-        with self._lock:
-            fd = self._open_fd(create=False)
-            if fd is None:
-                return
-            with _flocked(fd):
-                self._read_tail(fd, writer=True)
-                self._overwrite(fd, [k for k in ids if k in self._fences])
+        self._overwrite_locked(ids, fenced_only=True)
 
     def _release(self, ids: Sequence[str]) -> None:
+        self._overwrite_locked(ids, fenced_only=False)
+
+    def _overwrite_locked(self, ids: Sequence[str], *, fenced_only: bool) -> None:
+        """`_overwrite` under both locks, after reading what other processes appended
+        (so `fenced_only` sees their fences too)."""
         with self._lock:
             fd = self._open_fd(create=False)
             if fd is None:
                 return
             with _flocked(fd):
                 self._read_tail(fd, writer=True)
-                self._overwrite(fd, ids)
+                self._overwrite(fd, [k for k in ids if k in self._fences]
+                                if fenced_only else ids)
 
     def close(self) -> None:
         with self._lock:
