@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite's worker processes (pytest-xdist): every test has its own database, Redis
+# database per worker and temporary files, so they run side by side. PYTEST_WORKERS=0
+# runs it in one process (pytest's own -n 0).
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install lint test test-fast test-langgraph demo demo-workers bench bench-quick bench-plot eval clean
 
@@ -26,14 +30,14 @@ lint: $(STAMP) ## ruff and mypy (strict) on the packages
 	$(BIN)/lint-imports
 
 test: $(STAMP) ## the whole suite (PostgreSQL and Redis tests skip without the servers, fail when CI=true)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-langgraph: $(STAMP) ## LangGraph's and langgraph-sdk's own store tests (fetched at test time) against memledger.langgraph and memledger serve
 	rc=0; $(BIN)/python tests/peer/run_langgraph.py $(PYTEST_ARGS) || rc=1; \
 	$(BIN)/python -m tests.peer.run_langgraph_sdk $(PYTEST_ARGS) || rc=1; exit $$rc
 
 test-fast: $(STAMP) ## the suite without the slow integration tests
-	$(BIN)/pytest -m 'not slow' $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal -m 'not slow' $(PYTEST_ARGS)
 
 demo: $(STAMP) ## the after-sales story on the embedded SQLite default
 	$(BIN)/python examples/demo.py

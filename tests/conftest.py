@@ -94,6 +94,11 @@ def redis_db() -> Iterator[str]:
 
     # MEMLEDGER_TEST_REDIS_DB pins the number, so concurrent runs on one server never share one.
     db = int(os.environ.get("MEMLEDGER_TEST_REDIS_DB") or 1 + (int(RUN_ID, 16) % 15))
+    # Under pytest-xdist (`make test` runs the suite on several processes) each worker
+    # process takes the next number along, so two workers never flush each other's queues.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        db = 1 + (db - 1 + int(worker[2:])) % 15
     url = f"{REDIS_URL}/{db}"
     try:
         client: Any = redis.Redis.from_url(url, socket_connect_timeout=2)
