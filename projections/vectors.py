@@ -747,7 +747,9 @@ async def apply_settling(store: Store, conn: AsyncConnection, batch: Sequence[St
         after = more[-1].position
     await sync(store, conn, events, end)
     lag = await source_shard_positions(conn, scope, views)
-    await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end}, meta)
+    unsettled = {k: p for k, p in lag.items() if p < end}
+    if pending is not None or unsettled:  # else no row to delete and none to write
+        await set_pending(conn, scope, unsettled, meta)
 
 
 async def source_shard_positions(conn: AsyncConnection, scope: shards.Scope,
