@@ -28,6 +28,7 @@ from ledger.backends import recorder_for
 from ledger.errors import MemledgerError, SchemaOutOfDate, StoreUnavailable
 from ledger.events import Event
 from ledger.forgets import Tombstone, tombstone_from_row
+from ledger.inline import InlineWrites
 from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent, now_iso
@@ -79,6 +80,18 @@ class Store:
         self._listeners: list[Callable[[int], Any]] = []
         self._opened = False
         self._open_lock: asyncio.Lock | None = None
+        #: Appends (and `projections.runner.Runner.round`'s view transaction) in one
+        #: hand-off to a thread of their own (`ledger.inline`); None: through the async
+        #: driver, statement by statement. `use_inline` turns it on.
+        self.inline: InlineWrites | None = None
+
+    def use_inline(self) -> bool:
+        """Run write transactions on a thread of their own where the store is a SQLite
+        file (`ledger.inline`); returns whether it is on. For a process that appends
+        and projects in turn and waits for both (the LangGraph store)."""
+        if self.inline is None:
+            self.inline = InlineWrites.of(self.url, self.vault, self.turn)
+        return self.inline is not None
 
     # -- transactions (the recorder's) ----------------------------------------------------
     def write(self) -> AbstractAsyncContextManager[AsyncConnection]:
@@ -163,6 +176,8 @@ class Store:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
             self._writer = None
+        if self.inline is not None:
+            await self.inline.close()
         await self.recorder.dispose()
         if self.vault is not None:
             self.vault.close()
@@ -215,8 +230,12 @@ class Store:
         outcomes: list[list[AppendResult] | BaseException] = []
         head = 0
         try:
-            async with self.write() as conn:
-                head, outcomes = await Appender(self, conn).run(group)
+            if self.inline is not None:
+                head, outcomes = await self.inline.run(
+                    lambda conn: Appender(self, conn).run(group))
+            else:
+                async with self.write() as conn:
+                    head, outcomes = await Appender(self, conn).run(group)
         except BaseException as e:
             err = e if isinstance(e, MemledgerError) else StoreUnavailable(
                 f"append failed: {short_error(e)}")

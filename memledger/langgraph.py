@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -65,10 +66,12 @@ _ESC = "~"
 
 
 # -- the reversible mapping ----------------------------------------------------------
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _safe(text: str, max_chars: int) -> bool:
     return (bool(text) and len(text) <= max_chars and "/" not in text
-            and not text.startswith(_ESC)
-            and not any(ord(c) < 32 or ord(c) == 127 for c in text))
+            and not text.startswith(_ESC) and _CONTROL.search(text) is None)
 
 
 def encode_label(label: str, max_chars: int = MAX_NS_PART_CHARS) -> str:
@@ -220,9 +223,14 @@ class MemledgerStore(BaseStore):
         self.source_id = f"langgraph:{name}:{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count(1)
         self._last_us = 0
+        #: LangGraph namespace -> its memledger namespace (`_ns`)
+        self._encoded: dict[tuple[str, ...], tuple[str, ...]] = {}
         #: memory_id -> its field vectors (`_rows`)
         self._vectors: dict[str, np.ndarray[Any, Any]] = {}
         self._ml = MemoryLedger(url, register_path=register_path)
+        # A put's append and projection round each in one hand-off to a thread of their
+        # own, not a hand-off per statement to the driver's (SQLite files, `ledger.inline`).
+        self._ml.store.use_inline()
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
         #: Projection rounds (`_project`): the position every view has reached through
@@ -297,10 +305,16 @@ class MemledgerStore(BaseStore):
 
     # -- the mapping -------------------------------------------------------------------
     def _ns(self, namespace: Sequence[str]) -> list[str]:
-        if len(namespace) > MAX_LABELS:
-            raise InvalidNamespaceError(
-                f"memledger stores at most {MAX_LABELS} namespace labels, got {namespace}")
-        return [self.tenant, *(encode_label(x) for x in namespace)]
+        key = tuple(namespace)
+        got = self._encoded.get(key)
+        if got is None:
+            if len(namespace) > MAX_LABELS:
+                raise InvalidNamespaceError(f"memledger stores at most {MAX_LABELS} "
+                                            f"namespace labels, got {namespace}")
+            if len(self._encoded) >= 4096:  # a bounded memo: batches reuse few namespaces
+                self._encoded.clear()
+            got = self._encoded[key] = (self.tenant, *(encode_label(x) for x in namespace))
+        return list(got)
 
     def _prefix(self, namespace: Sequence[str]) -> str:
         return ns_path(self._ns(namespace[:MAX_LABELS]))

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import quarantine, shards
+from projections import quarantine, rounds, shards
 from projections.bulk import restore_shape
 from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
@@ -468,52 +468,14 @@ class Runner:
             prepare = getattr(proj, "prepare", None)
             if prepare is not None:
                 await prepare(self.store, self.batch_size, self.owned)
-        names = [p.name for p in self.projections]
-        cp, sc, qc = t.checkpoints.c, t.shard_checkpoints.c, t.quarantine.c
-        done: list[tuple[Projection, int, list[StoredEvent], list[Failure], float]] = []
         with no_gc_pauses():
-            async with self.store.view_write() as conn:
-                at = {str(r[0]): int(r[1]) for r in (await conn.execute(for_update(
-                    self.store, select(cp.name, cp.position).where(cp.name.in_(names))
-                    .order_by(cp.name)))).all()}
-                end = upto if upto is not None else await self.store.head(conn)
-                low = min(at.values(), default=0)
-                fused = (len(at) == len(names) and low > 0
-                         and end - low <= self.batch_size
-                         and (await conn.execute(select(sc.projection).where(
-                             sc.projection.in_(names)).limit(1))).first() is None)
-                if fused and end > low:
-                    count = await shards.shard_count(conn)
-                    events = await self.store.read_events(conn, low, end - low, end)
-                    held: dict[str, set[int]] = {}
-                    for name, pos in (await conn.execute(select(qc.projection, qc.position)
-                                      .where(qc.projection.in_(names), qc.position > low,
-                                             qc.position <= end))).all():
-                        held.setdefault(str(name), set()).add(int(pos))
-                    plan: list[tuple[Projection, int, list[StoredEvent]]] = []
-                    for proj in self.projections:
-                        position = at[proj.name]
-                        if end <= position:
-                            continue
-                        await self._check_stale(conn, proj)
-                        mine = held.get(proj.name, set())
-                        plan.append((proj, position, [
-                            se for se in events if se.position > position
-                            and se.position not in mine
-                            and (proj.types is None or se.type in proj.types)]))
-                    # Every checkpoint moves first, in one statement: a projection that
-                    # reads another's position (history, the indexes) finds it where a
-                    # step would, as the one before it has applied the same range.
-                    await conn.execute(update(t.checkpoints).where(
-                        cp.name.in_([p.name for p, _, _ in plan])).values(
-                        position=end, updated_at=time.time()))
-                    started = time.perf_counter()
-                    failures = await self._apply_plan(conn, plan, shards.Scope(count))
-                    for proj, position, batch in plan:
-                        failed = failures.get(proj.name, [])
-                        if failed:
-                            await quarantine.record(conn, proj.name, failed)
-                        done.append((proj, position, batch, failed, started))
+            if self.store.inline is not None:
+                # one hand-off for the whole transaction (`ledger.inline`)
+                fused, end, at, done = await self.store.inline.run(
+                    lambda conn: self._round_in(conn, upto))
+            else:
+                async with self.store.view_write() as conn:
+                    fused, end, at, done = await self._round_in(conn, upto)
         if not fused:
             await self.catch_up(end)
             return end
@@ -531,6 +493,60 @@ class Runner:
                 self._stale.discard(proj.name)
                 await self.retry_quarantined([proj.name], stale_only=True)
         return end
+
+    async def _round_in(self, conn: AsyncConnection, upto: int | None) -> tuple[
+            bool, int, dict[str, int],
+            list[tuple[Projection, int, list[StoredEvent], list[Failure], float]]]:
+        """The view transaction of `round`, in `conn`: whether it was fused (else
+        nothing was changed and `catch_up` must run), the end position, the checkpoints
+        it found and each projection's batch."""
+        names = [p.name for p in self.projections]
+        cp, sc, qc = t.checkpoints.c, t.shard_checkpoints.c, t.quarantine.c
+        done: list[tuple[Projection, int, list[StoredEvent], list[Failure], float]] = []
+        at = {str(r[0]): int(r[1]) for r in (await conn.execute(for_update(
+            self.store, select(cp.name, cp.position).where(cp.name.in_(names))
+            .order_by(cp.name)))).all()}
+        end = upto if upto is not None else await self.store.head(conn)
+        low = min(at.values(), default=0)
+        fused = (len(at) == len(names) and low > 0
+                 and end - low <= self.batch_size
+                 and (await conn.execute(select(sc.projection).where(
+                     sc.projection.in_(names)).limit(1))).first() is None)
+        if not fused or end <= low:
+            return fused, end, at, done
+        count = await shards.shard_count(conn)
+        events = await self.store.read_events(conn, low, end - low, end)
+        held: dict[str, set[int]] = {}
+        for name, pos in (await conn.execute(select(qc.projection, qc.position).where(
+                qc.projection.in_(names), qc.position > low, qc.position <= end))).all():
+            held.setdefault(str(name), set()).add(int(pos))
+        plan: list[tuple[Projection, int, list[StoredEvent]]] = []
+        for proj in self.projections:
+            position = at[proj.name]
+            if end <= position:
+                continue
+            await self._check_stale(conn, proj)
+            mine = held.get(proj.name, set())
+            plan.append((proj, position, [
+                se for se in events if se.position > position
+                and se.position not in mine
+                and (proj.types is None or se.type in proj.types)]))
+        # Every checkpoint moves first, in one statement: a projection that reads
+        # another's position (history, the indexes) finds it where a step would, as
+        # the one before it has applied the same range.
+        await conn.execute(update(t.checkpoints).where(
+            cp.name.in_([p.name for p, _, _ in plan])).values(
+            position=end, updated_at=time.time()))
+        started = time.perf_counter()
+        known = rounds.RoundFacts({name: max(pos, end) for name, pos in at.items()})
+        with rounds.applying(known):
+            failures = await self._apply_plan(conn, plan, shards.Scope(count))
+        for proj, position, batch in plan:
+            failed = failures.get(proj.name, [])
+            if failed:
+                await quarantine.record(conn, proj.name, failed)
+            done.append((proj, position, batch, failed, started))
+        return fused, end, at, done
 
     async def _apply_plan(self, conn: AsyncConnection,
                           plan: Sequence[tuple[Projection, int, list[StoredEvent]]],

@@ -46,7 +46,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import embed_cache, matrix_snapshot, shards
+from projections import embed_cache, matrix_snapshot, rounds, shards
 from projections.embedding import (
     DEFAULT_EMBEDDER,
     EMBEDDER_NAMES,
@@ -185,7 +185,20 @@ async def resolve_embedder(conn: AsyncConnection) -> tuple[str, str]:
     `MEMLEDGER_EMBEDDER` (the process's default for a ledger with none recorded),
     `vectors` (none of those: the model the ledger's stored vectors carry, so a ledger
     built before the default changed keeps the model it was built with), `default`
-    (none of those: `DEFAULT_EMBEDDER`)."""
+    (none of those: `DEFAULT_EMBEDDER`). Inside a projection round it is read once
+    per round (`projections.rounds`: no one else writes `meta` in its transaction, and
+    `settle_embedder` drops the memo when it records the name)."""
+    facts = rounds.current()
+    if facts is not None and "embedder" in facts.memo:
+        got: tuple[str, str] = facts.memo["embedder"]
+        return got
+    got = await _resolve_embedder(conn)
+    if facts is not None:
+        facts.memo["embedder"] = got
+    return got
+
+
+async def _resolve_embedder(conn: AsyncConnection) -> tuple[str, str]:
     recorded = await recorded_embedder(conn)
     if recorded:
         return await resolve_name(conn, recorded), "recorded"
@@ -218,6 +231,9 @@ async def settle_embedder(store: Store, conn: AsyncConnection) -> str:
             await conn.execute(insert_ignore(store, t.meta),
                                [{"name": EMBEDDER_META, "value": name}])
         _RECORDED.clear()
+        facts = rounds.current()
+        if facts is not None:  # read again next time (a savepoint may undo the record)
+            facts.memo.pop("embedder", None)
         log.info("embedder_recorded", embedder=name, source=source)
     return name
 
@@ -409,6 +425,9 @@ class VectorProjection:
         self._fixed = embedder
         #: Vectors `prepare` computed for the next batch, outside its transaction.
         self._ready: embed_cache.Ready = {}
+        #: Until then (monotonic seconds) `prepare` does not look: the ledger's
+        #: embedder was found not to be a cached model.
+        self._plain_until = 0.0
 
     @property
     def embedder(self) -> Embedder:
@@ -435,9 +454,18 @@ class VectorProjection:
         its views) is embedded inside the transaction as before. Returns how many texts
         it embedded."""
         self._ready.clear()
+        # Most embedders are not cached models (the hashed default): then there is
+        # nothing to embed ahead, and once that is seen no read transaction is opened
+        # for RECORDED_TTL_S. A change to a model seen late only means its first
+        # batches embed inside their transaction, as anything `prepare` misses.
+        if self._fixed is not None and not is_cached(self._fixed):
+            return 0
+        if time.monotonic() < self._plain_until:
+            return 0
         async with store.read() as conn:
             emb = await self.embedder_in(conn)
             if not is_cached(emb):
+                self._plain_until = time.monotonic() + RECORDED_TTL_S
                 return 0
             texts = await self._next_texts(store, conn, size, owned)
             if not texts:
@@ -719,13 +747,22 @@ async def apply_settling(store: Store, conn: AsyncConnection, batch: Sequence[St
         after = more[-1].position
     await sync(store, conn, events, end)
     lag = await source_shard_positions(conn, scope, views)
-    await set_pending(conn, scope, {k: p for k, p in lag.items() if p < end}, meta)
+    unsettled = {k: p for k, p in lag.items() if p < end}
+    if pending is not None or unsettled:  # else no row to delete and none to write
+        await set_pending(conn, scope, unsettled, meta)
 
 
 async def source_shard_positions(conn: AsyncConnection, scope: shards.Scope,
                                  views: Sequence[str]) -> dict[int, int]:
     """Per shard of the scope, how far every one of `views` has got (an index fed
-    from views: this one, `projections.lexical`)."""
+    from views: this one, `projections.lexical`). Inside a fused round the round's
+    checkpoints are known (`projections.rounds`: every one moved, no shard rows)."""
+    facts = rounds.current()
+    if facts is not None:
+        known = [facts.position(name) for name in views]
+        if all(p is not None for p in known):
+            low = min(p for p in known if p is not None)
+            return dict.fromkeys(scope.members(), low)
     at = await shards.shard_positions(conn, views, scope.count, scope.members())
     return {k: min(at[name][k] for name in views) for k in scope.members()}
 

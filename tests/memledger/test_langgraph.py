@@ -185,6 +185,78 @@ async def test_concurrent_calls_share_projection_rounds(db_url: str) -> None:
         assert await store.alist_namespaces() == []
 
 
+@pytest.mark.parametrize("how", ["python", "database"])
+async def test_inline_writes_run_appends_and_rounds_off_the_async_driver(
+        store: Any, tmp_path: Path, how: str) -> None:
+    """`Store.use_inline` (what the LangGraph store turns on): on a SQLite file the
+    append and the fused round each run as one transaction on the inline thread, none
+    of their statements on the async engine; the views equal a fresh replay's and an
+    event one view cannot apply (a Python error, or a database error inside the
+    savepoint) is quarantined for that view alone, as on the async path. A body that
+    raises commits nothing. PostgreSQL keeps the async path."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy import select
+
+    from ledger import schema as t
+    from tests.helpers import dump_views, fresh_replay
+    from tests.projections.test_quarantine import POISON, append, runner_with, story
+
+    if store.dialect != "sqlite":
+        assert store.use_inline() is False and store.inline is None
+        return
+    assert store.use_inline() is True
+    runner = runner_with(store, "vectors", how)
+    events = story()
+    at = await append(store, events[:1])
+    await runner.round()  # from 0: steps (a bulk load may run), on the async driver
+    on_driver = 0
+
+    def counted(*_a: Any) -> None:
+        nonlocal on_driver
+        on_driver += 1
+
+    sa_event.listen(store.engine.sync_engine, "before_cursor_execute", counted)
+    runs = 0
+    real = store.inline.run
+
+    async def run(body: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        return await real(body)
+
+    store.inline.run = run
+    try:
+        for e in events[1:]:
+            at |= await append(store, [e])
+            assert await runner.round() == at[e["idempotency_key"]]
+    finally:
+        sa_event.remove(store.engine.sync_engine, "before_cursor_execute", counted)
+    assert on_driver == 0
+    assert runs == 2 * len(events[1:])  # an append and a round each
+    async with store.read() as conn:
+        held = (await conn.execute(t.quarantine.select())).all()
+    assert [(r.projection, r.position) for r in held] == [("vectors", at[POISON])]
+    fresh = await fresh_replay(store, tmp_path)
+    try:
+        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
+        assert await dump_views(store, tables) == await dump_views(fresh, tables)
+    finally:
+        await fresh.close()
+
+    async def fails(conn: Any) -> None:
+        await conn.execute(t.meta.insert().values(name="inline-test", value="x"))
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        await store.inline.run(fails)
+
+    async def meta_row(conn: Any) -> Any:
+        return (await conn.execute(select(t.meta.c.value).where(
+            t.meta.c.name == "inline-test"))).first()
+
+    assert await store.inline.run(meta_row) is None  # rolled back, connection usable
+
+
 async def test_a_round_projects_every_view_in_one_transaction_as_steps_would(
         store: Any, tmp_path: Path) -> None:
     """`Runner.round` (a store's projection round): after the ledger's commit (R14),

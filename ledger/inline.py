@@ -1,0 +1,198 @@
+"""Write transactions run in one hand-off to a thread of their own (SQLite files).
+
+Through SQLAlchemy async and aiosqlite every statement costs four hand-offs between the
+event loop's thread and the driver's (cursor, execute, fetch, close): about 0.5 ms a
+statement on a 2-core machine, most of it waiting for a CPU, where SQLite itself takes
+tens of microseconds. A LangGraph put was an append of seven statements and a
+projection round of about fifty (docs/benchmarks.md, "LangGraph store: transactions in
+one hand-off"), so the hand-offs were most of its time.
+
+`InlineWrites.run(body)` runs a whole write transaction on a dedicated thread instead,
+on a plain `sqlite3` connection that thread owns (SQLAlchemy's synchronous pysqlite
+dialect, the recorder's pragmas, `BEGIN IMMEDIATE`, the ledger's vault attached): one
+hand-off for the transaction. `body` is the same async code the async path runs (the
+appender, the projections' `apply`); it gets a `SyncBacked` connection whose
+awaitables complete at once, and runs to its end on the thread's own event loop.
+
+It takes the same SQLite write lock as `Store.write` and `Store.view_write` (BEGIN
+IMMEDIATE on the same file, waited for in this thread under the same busy timeout), in
+turn when the store takes write turns, so the transaction is like any other: all of
+it commits or none. Its writes queue on the one thread, so a process's own appends and
+rounds never meet at SQLite's lock. PostgreSQL, in-memory databases and `file:` URIs
+keep the async path (`InlineWrites.of` returns None for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import create_engine
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DatabaseError
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.pool import NullPool
+
+from ledger.backends.sqlite import PRAGMAS, file_path
+from ledger.recorder import Turn, raise_translated
+from ledger.vault import Vault, attach
+
+T = TypeVar("T")
+
+
+class SyncBacked:
+    """The part of `AsyncConnection` the projections use (execute, exec_driver_sql,
+    scalar, run_sync, begin_nested, dialect), over a synchronous `Connection`: every
+    awaitable completes at once, so a coroutine using it never suspends."""
+
+    def __init__(self, sync: Connection) -> None:
+        self.sync_connection = sync
+
+    @property
+    def dialect(self) -> Any:
+        """The connection's dialect (the vault's result processors read it)."""
+        return self.sync_connection.dialect
+
+    async def execute(self, statement: Any, parameters: Any = None, *,
+                      execution_options: Any = None) -> Any:
+        """`Connection.execute`; the result is read as an async one is."""
+        return self.sync_connection.execute(statement, parameters,
+                                            execution_options=execution_options)
+
+    async def exec_driver_sql(self, statement: str, parameters: Any = None,
+                              execution_options: Any = None) -> Any:
+        """`Connection.exec_driver_sql` (`?` parameters; a list of them: executemany)."""
+        return self.sync_connection.exec_driver_sql(statement, parameters,
+                                                    execution_options=execution_options)
+
+    async def scalar(self, statement: Any, parameters: Any = None) -> Any:
+        """The first column of the first row."""
+        return self.sync_connection.scalar(statement, parameters)
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(sync_connection, ...)`, as `AsyncConnection.run_sync` calls it."""
+        return fn(self.sync_connection, *args, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def begin_nested(self) -> AsyncIterator[Any]:
+        """A savepoint for the block, rolled back if it raises."""
+        with self.sync_connection.begin_nested() as sp:
+            yield sp
+
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open (always, inside `InlineWrites.run`)."""
+        return self.sync_connection.in_transaction()
+
+    def get_execution_options(self) -> Any:
+        """The connection's execution options."""
+        return self.sync_connection.get_execution_options()
+
+
+def _engine(path: str, vault: Any) -> Engine:
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+
+    @sa_event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we choose the BEGIN (as the recorder does)
+        for pragma in PRAGMAS:
+            dbapi_conn.execute(f"PRAGMA {pragma}")
+
+    @sa_event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    attach(engine.dialect, vault)
+    return engine
+
+
+class InlineWrites:
+    """Write transactions on one SQLite file, each run in one hand-off to a dedicated
+    thread that owns a plain `sqlite3` connection (kept open between transactions, so
+    its statement and page caches stay warm)."""
+
+    def __init__(self, path: str, vault: Vault | None, turn: Turn | None) -> None:
+        self.path = path
+        self.vault = vault
+        self.turn = turn
+        self._pid = os.getpid()
+        self._pool: ThreadPoolExecutor | None = None
+        self._engine: Engine | None = None
+        self._conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, url: str, vault: Vault | None, turn: Turn | None) -> InlineWrites | None:
+        """Inline write transactions for a SQLite file URL; None for any other."""
+        path = file_path(url) if url.startswith("sqlite") else None
+        return None if path is None else cls(path, vault, turn)
+
+    async def run(self, body: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """Run `body` in one write transaction (committed if it returns, rolled back if
+        it raises), on the dedicated thread; awaited here in one hand-off. `body` gets
+        a `SyncBacked` connection (typed as the `AsyncConnection` it stands for)."""
+        if self._pid != os.getpid():  # a forked child never uses its parent's thread
+            self._pool, self._engine, self._conn, self._loop = None, None, None, None
+            self._pid = os.getpid()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memledger-views")
+        loop = asyncio.get_running_loop()
+        turn = self.turn
+        if turn is None:
+            return await loop.run_in_executor(self._pool, self._transaction, body)
+        async with turn.hold():
+            return await loop.run_in_executor(self._pool, self._transaction, body)
+
+    def _transaction(self, body: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """On the dedicated thread: BEGIN IMMEDIATE, `body`, COMMIT."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.current_thread()
+        try:
+            if self._conn is None:
+                if self._engine is None:
+                    self._engine = _engine(self.path, self.vault)
+                self._conn = self._engine.connect()
+            conn = self._conn
+            try:
+                with conn.begin():
+                    return self._loop.run_until_complete(_call(body, SyncBacked(conn)))
+            finally:
+                if conn.invalidated or conn.closed:
+                    self._drop()
+        except (DatabaseError, OSError) as e:
+            raise_translated(e)
+
+    def _drop(self) -> None:
+        """Forget the connection after a database error (the next run opens another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _close_here(self) -> None:
+        self._drop()
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    async def close(self) -> None:
+        """Close the connection and stop the thread (a later `run` starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is None or self._pid != os.getpid():
+            return
+        await asyncio.get_running_loop().run_in_executor(pool, self._close_here)
+        pool.shutdown(wait=False)
+
+
+async def _call(body: Callable[[AsyncConnection], Awaitable[T]], conn: SyncBacked) -> T:
+    return await body(cast(AsyncConnection, conn))
