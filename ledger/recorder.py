@@ -39,6 +39,7 @@ from sqlalchemy.sql.dml import Insert
 from ledger import schema as t
 from ledger.chain import GENESIS
 from ledger.errors import DatabaseCorrupt, StoreUnavailable
+from ledger.events import MEMORY_WRITES
 from ledger.records import StoredEvent, stored_from_row
 from ledger.vault import Vault, keyed
 
@@ -55,7 +56,7 @@ STORED_COLUMNS: Final = (
 #: The `events` columns in table order (the order `insert_events` rows are written in).
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
 #: An `events` row dict as a tuple in `EVENT_COLUMNS` order (one C call per row).
-_EVENT_TUPLE: Final = operator.itemgetter(*EVENT_COLUMNS)
+EVENT_TUPLE: Final = operator.itemgetter(*EVENT_COLUMNS)
 #: What SQLite says of a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB).
 CORRUPTION_MESSAGES: Final = ("database disk image is malformed", "file is not a database")
 
@@ -274,7 +275,45 @@ class Recorder(ABC):
             return
         # Plain tuples in column order go straight to the driver's executemany: no
         # SQLAlchemy per-row parameter processing (~10 us a row), no type to convert.
-        await conn.exec_driver_sql(self.insert_events_sql, list(map(_EVENT_TUPLE, rows)))
+        await conn.exec_driver_sql(self.insert_events_sql, list(map(EVENT_TUPLE, rows)))
+
+    # -- the append path's look-ups (under the write lock) -------------------------------------
+    async def known_keys(self, conn: AsyncConnection, keys: Sequence[tuple[str, str]]
+                         ) -> list[tuple[str, str, str, int, bool]]:
+        """For the `(tenant, idempotency key)` pairs already in the ledger: `(tenant, key,
+        content digest, position, suppressed)`."""
+        ev = t.events.c
+        out: list[tuple[str, str, str, int, bool]] = []
+        for chunk in _chunks(keys, 400):
+            q = select(ev.tenant, ev.idempotency_key, ev.content_digest, ev.position,
+                       ev.suppressed).where(pairs_in(ev.tenant, ev.idempotency_key, chunk))
+            out += [(r[0], r[1], r[2], int(r[3]), bool(r[4]))
+                    for r in (await conn.execute(q)).all()]
+        return out
+
+    async def memory_writers(self, conn: AsyncConnection, ids: Sequence[tuple[str, str]]
+                             ) -> list[tuple[str, str, str]]:
+        """For the `(tenant, memory id)` pairs some write already holds: `(tenant, memory
+        id, namespace path of that write)`."""
+        ev = t.events.c
+        out: list[tuple[str, str, str]] = []
+        for chunk in _chunks(ids, 400):
+            q = select(ev.tenant, ev.memory_id, ev.ns_path).where(
+                pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(MEMORY_WRITES))
+            out += [(r[0], r[1], r[2]) for r in (await conn.execute(q)).all()]
+        return out
+
+    async def task_owner_paths(self, conn: AsyncConnection, tasks: Sequence[tuple[str, str]]
+                               ) -> list[tuple[str, str, str]]:
+        """For the `(tenant, task key)` pairs that have an owner: `(tenant, task key,
+        owner's namespace path)`."""
+        to = t.task_owners.c
+        out: list[tuple[str, str, str]] = []
+        for chunk in _chunks(tasks, 400):
+            q = select(to.tenant, to.task_key, to.ns_path).where(
+                pairs_in(to.tenant, to.task_key, chunk))
+            out += [(r[0], r[1], r[2]) for r in (await conn.execute(q)).all()]
+        return out
 
     async def select_events(self, conn: AsyncConnection, after: int, limit: int,
                             upto: int | None = None, types: Sequence[str] | None = None
@@ -406,6 +445,11 @@ def pairs_in(a: Any, b: Any, pairs: Iterable[tuple[Any, Any]]) -> Any:
     for x, y in pairs:
         grouped.setdefault(x, []).append(y)
     return or_(*(and_(a == x, b.in_(ys)) for x, ys in grouped.items()))
+
+
+def _chunks(items: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
 
 
 def short_error(e: BaseException) -> str:
