@@ -226,15 +226,6 @@ class HistoryProjection:
 async def _close(store: Store, conn: AsyncConnection, closed: Sequence[dict[str, Any]]
                  ) -> None:
     """Close open rows (by primary key) at the positions given."""
-    if store.dialect == "sqlite":
-        # Plain tuples to the driver: SQLAlchemy's per-row parameter processing costs
-        # more than the update itself.
-        await conn.exec_driver_sql(
-            "UPDATE mem_history SET valid_to = ? "
-            "WHERE tenant = ? AND memory_id = ? AND valid_from = ?",
-            [(c["k_valid_to"], c["k_tenant"], c["k_memory_id"], c["k_valid_from"])
-             for c in closed])
-        return
     mh = t.mem_history.c
     await conn.execute(update(t.mem_history).where(
         mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
