@@ -64,6 +64,10 @@ class Timed:
         self.inner = inner
         self.name = inner.name
         self.tables = inner.tables
+        # What the runner reads of a projection: the event types it folds (the runner
+        # reads only those) and the views it reads.
+        self.types = inner.types
+        self.depends_on = inner.depends_on
         self.seconds = 0.0
 
     async def apply(self, store: Store, conn: AsyncConnection,

@@ -47,7 +47,7 @@ from projections.embed_cache import lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
-from projections.sql import chunks, insert_rows
+from projections.sql import chunks, fetch, insert_rows
 from projections.vectors import embedder_named, memory_text, resolve_embedder, to_blob
 
 FORGETS: Final = ("memory.forgotten", "task.purged")
@@ -203,145 +203,200 @@ class HistoryProjection:
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
         """Record every change the batch makes to the rows of the slots it reaches, at
-        the position of the event that makes it; clear what its forgets cover."""
+        the position of the event that makes it; clear what its forgets cover.
+
+        Every tenant of the batch at once: each statement covers the whole batch (a
+        few per batch, not a few per tenant), and reads each row it needs once."""
         if not batch:
             return
-        hi = batch[-1].position
         done = await checkpoint(conn, MEMORIES)
-        by_tenant: dict[str, list[StoredEvent]] = {}
-        for se in batch:
-            by_tenant.setdefault(se.tenant, []).append(se)
         changes = _Changes()
-        forgets: list[Tombstone] = []
-        for tenant in sorted(by_tenant):
-            forgets += await _tenant(store, conn, tenant, by_tenant[tenant], hi, done,
-                                     changes)
-        mh = t.mem_history.c
+        forgets = await _batch(store, conn, batch, done, changes)
         if changes.closed:
-            await conn.execute(update(t.mem_history).where(
-                mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
-                mh.valid_from == bindparam("k_valid_from")).values(
-                valid_to=bindparam("k_valid_to")), changes.closed)
-        await _embed(conn, changes.rows)
+            await _close(store, conn, changes.closed)
+        await _embed(store, conn, changes.rows)
         await insert_rows(store, conn, t.mem_history, changes.rows)
+        mh = t.mem_history.c
         for ts in forgets:
             await conn.execute(update(t.mem_history).where(
                 covers_sql(ts, mh), mh.redacted.is_(False)).values(
                 **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))
 
 
-async def _tenant(store: Store, conn: AsyncConnection, tenant: str,
-                  evs: Sequence[StoredEvent], hi: int, done: int,
-                  changes: _Changes) -> list[Tombstone]:
-    """One tenant's part of a batch; returns the batch's tombstones (to clear)."""
+async def _close(store: Store, conn: AsyncConnection, closed: Sequence[dict[str, Any]]
+                 ) -> None:
+    """Close open rows (by primary key) at the positions given."""
+    mh = t.mem_history.c
+    await conn.execute(update(t.mem_history).where(
+        mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
+        mh.valid_from == bindparam("k_valid_from")).values(
+        valid_to=bindparam("k_valid_to")), closed)
+
+
+def _by_slot(rows: Iterable[Any], tenant_of: dict[str, str]) -> Iterable[Any]:
+    """The rows whose tenant is their slot's (a slot id is a hash of its tenant among
+    the rest: the check costs nothing and keeps the statements free of a tenant
+    condition, which SQLite would otherwise serve from a tenant index)."""
+    return (r for r in rows if tenant_of.get(r.slot) == r.tenant)
+
+
+async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEvent],
+                 done: int, changes: _Changes) -> list[Tombstone]:
+    """The batch's changes to `changes` (every tenant at once); returns the batch's
+    tombstones (whose content the caller clears)."""
     ev, mh = t.events.c, t.mem_history.c
     writes_t = sorted(MEMORY_WRITES)
-    lo = evs[0].position
+    lo, hi = batch[0].position, batch[-1].position
+    tenants = sorted({se.tenant for se in batch})
     at: dict[str, set[int]] = {}  # slot -> positions of the batch that may change it
-    for se in evs:
+    tenant_of: dict[str, str] = {}  # slot -> its tenant
+    for se in batch:
         if se.type in MEMORY_WRITES and se.slot:
             at.setdefault(se.slot, set()).add(se.position)
-    aims: dict[str, set[int]] = {}  # memory id -> positions of marks that may change it
-    confirms: dict[str, set[int]] = {}
-    for m in (m for se in evs for m in marks_of(se)):
-        aims.setdefault(m.target, set()).add(m.position)
+            tenant_of[se.slot] = se.tenant
+    # (tenant, memory id) -> positions of marks that may change it
+    aims: dict[tuple[str, str], set[int]] = {}
+    confirms: dict[tuple[str, str], set[int]] = {}
+    for m in (m for se in batch for m in marks_of(se)):
+        aims.setdefault((m.tenant, m.target), set()).add(m.position)
         if m.kind == "confirmed":
-            confirms.setdefault(m.target, set()).add(m.position)
+            confirms.setdefault((m.tenant, m.target), set()).add(m.position)
     # A confirmed candidate's `supersedes` starts to count: its target's slot changes.
     for chunk in chunks(sorted(confirms)):
-        q = select(ev.memory_id, ev.supersedes).where(
-            ev.tenant == tenant, ev.memory_id.in_(chunk), ev.type.in_(writes_t),
+        q = select(ev.tenant, ev.memory_id, ev.supersedes).where(
+            pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
             ev.supersedes.is_not(None), ev.position <= hi)
-        for mid, sup in (await conn.execute(q)).all():
-            aims.setdefault(sup, set()).update(confirms[mid])
+        for tenant, mid, sup in (await conn.execute(q)).all():
+            aims.setdefault((tenant, sup), set()).update(confirms[(tenant, mid)])
     for chunk in chunks(sorted(aims)):
-        q = select(ev.memory_id, ev.slot).where(
-            ev.tenant == tenant, ev.memory_id.in_(chunk), ev.type.in_(writes_t),
+        q = select(ev.tenant, ev.memory_id, ev.slot).where(
+            pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
             ev.position <= hi)
-        for mid, slot in (await conn.execute(q)).all():
-            at.setdefault(slot, set()).update(aims[mid])
-    tombs = await store.tombstones(conn, [tenant], upto=hi)
+        for tenant, mid, slot in (await conn.execute(q)).all():
+            at.setdefault(slot, set()).update(aims[(tenant, mid)])
+            tenant_of[slot] = tenant
+    tombs = await store.tombstones(conn, tenants, upto=hi)
     forgets = [ts for ts in tombs if ts.position >= lo]
     for ts in forgets:
         q = select(ev.slot).where(ev.type.in_(writes_t), ev.position <= hi,
                                   covers_sql(ts, ev, order_key=None)).distinct()
         for r in (await conn.execute(q)).all():
             at.setdefault(r[0], set()).add(ts.position)
+            tenant_of[r[0]] = ts.tenant
     if not at:
         return forgets
     slots = sorted(at)
     facts: dict[str, list[WriteFact]] = {}
-    erased: set[str] = set()
+    erased: set[tuple[str, str]] = set()
     cols = [keyed(ev[c]) if c == "payload" else ev[c] for c in WRITE_COLUMNS]
     for chunk in chunks(slots):
-        q = select(*cols).where(ev.tenant == tenant, ev.slot.in_(chunk),
-                                ev.type.in_(writes_t), ev.position <= hi)
-        for r in (await conn.execute(q)).all():
+        q = select(*cols).where(ev.slot.in_(chunk), ev.type.in_(writes_t),
+                                ev.position <= hi)
+        for r in _by_slot((await conn.execute(q)).all(), tenant_of):
             f, gone = fact_of_row(r)
             facts.setdefault(f.slot, []).append(f)
             if gone:
-                erased.add(f.memory_id)
-        q2 = select(mh.memory_id, mh.valid_from, *[mh[c] for c in _STATE]).where(
-            mh.slot.in_(chunk), mh.tenant == tenant, mh.valid_to.is_(None))
-        for r in (await conn.execute(q2)).all():
-            changes.open[(tenant, r[0])] = _Open(int(r[1]), tuple(r[2:]))
-    ids = [f.memory_id for fs in facts.values() for f in fs]
-    marks = await marks_upto(conn, tenant, ids, hi, done)
-    vias = {m.via_candidate for m in marks if m.via_candidate}
-    confirmed_at: dict[str, int] = {}
-    for m in await marks_upto(conn, tenant, vias, hi, done):
+                erased.add((f.tenant, f.memory_id))
+        q2 = select(mh.tenant, mh.slot, mh.memory_id, mh.valid_from,
+                    *[mh[c] for c in _STATE]).where(mh.slot.in_(chunk),
+                                                    mh.valid_to.is_(None))
+        for r in _by_slot((await conn.execute(q2)).all(), tenant_of):
+            changes.open[(r[0], r[2])] = _Open(int(r[3]), tuple(r[4:]))
+    ids = {(f.tenant, f.memory_id) for fs in facts.values() for f in fs}
+    marks = await _marks(conn, ids, hi, done)
+    vias = {(m.tenant, m.via_candidate) for m in marks if m.via_candidate}
+    confirmed_at: dict[str, dict[str, int]] = {}  # tenant -> candidate -> position
+    for m in await _marks(conn, vias, hi, done):
         if m.kind == "confirmed":
-            confirmed_at[m.target] = min(m.position, confirmed_at.get(m.target, m.position))
-    by_target: dict[str, list[Mark]] = {}
+            mine = confirmed_at.setdefault(m.tenant, {})
+            mine[m.target] = min(m.position, mine.get(m.target, m.position))
+    by_target: dict[tuple[str, str], list[Mark]] = {}
     for m in marks:
-        by_target.setdefault(m.target, []).append(m)
-    reach = Reach(tombs)
+        by_target.setdefault((m.tenant, m.target), []).append(m)
+    reach: dict[str, Reach] = {}
+    tombs_of: dict[str, list[Tombstone]] = {}
+    for ts in tombs:
+        tombs_of.setdefault(ts.tenant, []).append(ts)
     for slot in slots:
         ws_all = sorted(facts.get(slot, ()), key=lambda w: w.position)
         if not ws_all:
             continue
-        ms_all = [m for w in ws_all for m in by_target.get(w.memory_id, ())]
-        ts_all = reach.slot(ws_all)
+        tenant = ws_all[0].tenant
+        if tenant not in reach:
+            reach[tenant] = Reach(tombs_of.get(tenant, ()))
+        ms_all = [m for w in ws_all for m in by_target.get((tenant, w.memory_id), ())]
+        ts_all = reach[tenant].slot(ws_all)
+        confirmed = confirmed_at.get(tenant, {})
         for p in sorted(at[slot]):
             ws = [w for w in ws_all if w.position <= p]
             if not ws:
                 continue
             ms = [m for m in ms_all if m.position <= p]
-            conf = {c for c, cp in confirmed_at.items() if cp <= p}
+            conf = {c for c, cp in confirmed.items() if cp <= p}
             past = [ts for ts in ts_all if ts.position <= p]
             for row in resolve_slot(ws, ms, conf, past):
-                hidden = row["memory_id"] in erased or any(
+                hidden = (tenant, row["memory_id"]) in erased or any(
                     covers(ts, coordinates(row)) for ts in ts_all)
                 changes.state(row, p, hidden)
     return forgets
 
 
-async def _embed(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    """Give active, unredacted new rows their text's embedding: the memory's vector
-    from an earlier row of it when one was made by the same model, else computed (all
-    at once)."""
+async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: int,
+                 done: int) -> list[Mark]:
+    """The marks aimed at these (tenant, memory id)s set by events at positions up to
+    `upto`, every tenant at once (`marks_upto`'s rule: from `mem_marks` up to `done`,
+    the memories view's checkpoint; from the ledger after it)."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    mk, ev = t.mem_marks.c, t.events.c
+    out: list[Mark] = []
+    for chunk in chunks(wanted):
+        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk),
+                                      mk.position <= min(upto, done))
+        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
+    if upto > done:  # positions the view has not applied yet: from the ledger itself
+        keep = set(wanted)
+        q = select(*STORED_COLUMNS).where(
+            ev.position > done, ev.position <= upto,
+            ev.tenant.in_(sorted({tenant for tenant, _ in wanted})),
+            or_(ev.type.in_(MARK_TYPES),
+                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
+        for r in (await conn.execute(q)).all():
+            out.extend(m for m in marks_of(stored_from_row(r))
+                       if (m.tenant, m.target) in keep)
+    return out
+
+
+async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                 ) -> None:
+    """Give active, unredacted new rows their text's embedding, computed only when no
+    copy made by the same model is at hand: the vector index's entry of the memory (it
+    runs before this view, so it normally has every active memory of the batch), an
+    earlier row of the memory, a model's digest-keyed cache; else embedded (all at
+    once). A memory's text is fixed by its write, so any of these is its embedding."""
     want = [r for r in rows if r["status"] == "active" and not r["redacted"]]
     if not want:
         return
     # The ledger's embedder (`memledger config set embedder`, ...), as the index's.
     emb = embedder_named((await resolve_embedder(conn))[0])
-    mh = t.mem_history.c
     known: dict[tuple[str, str], bytes] = {}
     pairs = sorted({(r["tenant"], r["memory_id"]) for r in want})
-    for chunk in chunks(pairs):
-        q = select(mh.tenant, mh.memory_id, mh.vector).where(
-            pairs_in(mh.tenant, mh.memory_id, chunk), mh.model == emb.name,
-            mh.vector.is_not(None))
-        for tenant, mid, vec in (await conn.execute(q)).all():
-            known[(tenant, mid)] = bytes(vec)
+    vc, mh = t.vectors.c, t.mem_history.c
+    for table, ident, extra in ((t.vectors, vc.item_id, (vc.kind == "memory",)),
+                                (t.mem_history, mh.memory_id, (mh.vector.is_not(None),))):
+        for chunk in chunks([k for k in pairs if k not in known]):
+            q = select(table.c.tenant, ident, table.c.vector).where(
+                pairs_in(table.c.tenant, ident, chunk), table.c.model == emb.name, *extra)
+            for tenant, mid, vec in await fetch(store, conn, q):
+                known[(tenant, mid)] = bytes(vec)
     todo: dict[tuple[str, str], str] = {}
     for r in want:
         k = (r["tenant"], r["memory_id"])
         if k not in known:
             todo[k] = memory_text(r["mkey"], r["value"], r["text"])
     if todo and is_cached(emb):
-        # A model's vectors of these texts are usually in the digest-keyed cache already
-        # (the vector index, which runs before this view, put them there).
         hits, todo = await lookup(conn, emb, todo)
         known.update((k, to_blob(v)) for k, v in hits.items())
     if todo:

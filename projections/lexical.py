@@ -41,7 +41,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import and_, case, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -53,8 +53,9 @@ from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
 from projections.sql import (
     chunks,
-    insert_rows,
+    lexical_delete,
     lexical_hits,
+    lexical_insert,
     lexical_merge,
     lexical_term_shares,
     page_after,
@@ -164,7 +165,7 @@ class LexicalProjection:
         rows = await page_after(conn, select(*[mv[c] for c in _MEM_COLUMNS]).where(
             mv.status == "active", not_forgotten()), (mv.tenant, mv.memory_id),
             state.get("after"), size)
-        await insert_rows(store, conn, t.lexical_docs, doc_rows(rows))
+        await lexical_insert(store, conn, doc_rows(rows))
         if len(rows) < size:
             return finished(state)
         state["after"] = [rows[-1].tenant, rows[-1].memory_id]
@@ -189,24 +190,47 @@ class LexicalProjection:
             await conn.execute(delete(t.lexical_docs).where(ld.tenant == ts.tenant,
                                                             _covered(ts)))
         slots = await slots_of(conn, touch.mem_ids, touch.slots, tombs)
-        every: list[tuple[str, str]] = list(touch.mem_ids)
+        # Every row of those slots, read once: which memories the batch reaches, and
+        # (`keep`) which of them are indexed.
+        every: set[tuple[str, str]] = set(touch.mem_ids)
         wanted: list[Any] = []
+        keep = and_(mv.status == "active", not_forgotten())
         for chunk in chunks(sorted(slots)):
-            q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
-            every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
-            q2 = select(*[mv[c] for c in _MEM_COLUMNS]).where(
-                mv.slot.in_(chunk), mv.status == "active", not_forgotten())
-            wanted.extend((await conn.execute(q2)).all())
-        grouped: dict[str, list[str]] = {}
-        for tenant, item in sorted(set(every)):
-            grouped.setdefault(tenant, []).append(item)
-        for tenant, items in grouped.items():
-            for part in chunks(items):
-                await conn.execute(delete(t.lexical_docs).where(
-                    ld.tenant == tenant, ld.item_id.in_(part)))
-        await insert_rows(store, conn, t.lexical_docs, doc_rows(wanted))
+            q = select(*[mv[c] for c in _MEM_COLUMNS], case((keep, 1), else_=0)).where(
+                mv.slot.in_(chunk))
+            for r in (await conn.execute(q)).all():
+                every.add((r.tenant, r.memory_id))
+                if r[-1]:
+                    wanted.append(r)
+        # Only what changed is written: an entry the index holds already, the same, stays
+        # (a full-text delete and insert of it would cost as much as a new entry).
+        new = {(d["tenant"], d["item_id"]): d for d in doc_rows(wanted)}
+        stale: list[int] = []
+        for tenant, part in _by_tenant(every):
+            q = select(*[ld[c] for c in _DOC_COLUMNS]).where(ld.tenant == tenant,
+                                                           ld.item_id.in_(part))
+            for r in (await conn.execute(q)).all():
+                have = dict(zip(_DOC_COLUMNS, r, strict=True))
+                if new.get((r.tenant, r.item_id)) == have:
+                    del new[(r.tenant, r.item_id)]
+                else:
+                    stale.append(int(r.docid))
+        await lexical_delete(store, conn, stale)
+        await lexical_insert(store, conn, list(new.values()))
         if tombs:
             await lexical_merge(store, conn)
+
+
+#: Every column of `lexical_docs`, as `doc_rows` gives them.
+_DOC_COLUMNS: Final = tuple(c.name for c in t.lexical_docs.c)
+
+
+def _by_tenant(pairs: set[tuple[str, str]]) -> list[tuple[str, Sequence[str]]]:
+    """(tenant, a chunk of its ids) for each tenant of `pairs`, in order."""
+    grouped: dict[str, list[str]] = {}
+    for tenant, item in sorted(pairs):
+        grouped.setdefault(tenant, []).append(item)
+    return [(tenant, part) for tenant, items in grouped.items() for part in chunks(items)]
 
 
 def _covered(ts: Tombstone) -> Any:
