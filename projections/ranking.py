@@ -49,6 +49,7 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
     for r in rows:
         by_key.setdefault((r.ns_path, r.mkey), []).append(r)
     out: list[tuple[Any, float, str]] = []
+    kinds: dict[str, str] = {}  # each winner's source kind, parsed once
     for group in by_key.values():
         group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
         win = group[0]
@@ -74,14 +75,14 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
             reason.append("long-term memory")
         if win.layer == "long" and (win.version > 1 or win.supersedes):
             reason.append(f"correction (version {win.version})")
-        kind = _source_kind(win)
+        kind = kinds[win.memory_id] = _source_kind(win)
         reason.append(f"source {kind}")
         out.append((win, rel, "; ".join(reason)))
     # Recency (source order, newest first) only breaks ties left by relevance and then
     # by source reliability (R19); both sorts are stable.
     out.sort(key=lambda x: bytes(x[0].order_key), reverse=True)
     out.sort(key=lambda x: (_tier(x[0]), -round(x[1], RELEVANCE_DIGITS),
-                            -RELIABILITY.get(_source_kind(x[0]), 0.5)))
+                            -RELIABILITY.get(kinds[x[0].memory_id], 0.5)))
     return out
 
 
