@@ -61,6 +61,7 @@ import contextlib
 import fcntl
 import hashlib
 import itertools
+import mmap
 import os
 import sqlite3
 import struct
@@ -70,9 +71,11 @@ from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, Protocol, TypeVar
 
+import numpy as np
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from numpy.typing import NDArray
 from sqlalchemy import LargeBinary, Text, type_coerce
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
@@ -353,20 +356,39 @@ class KeyStore(ABC):
 class FileKeyStore(KeyStore):
     """A binary file beside the SQLite database (`<db>.vault`), mode 0600.
 
-    The file starts with `FILE_MAGIC`; then records of `tag` (1 byte), key id (16
-    bytes), length (2 bytes, big-endian) and that many bytes: `K` a wrapped key, `F` a
-    fence (no bytes), `D` a destroyed key (its bytes zeroed). Writers take an exclusive
-    `flock` on the file, read what other processes appended since their last look,
-    append their records in one write and fsync before they return: one fsync for
-    a whole pool of keys (`KeyStore.provision_pool`). Destroying a key appends its fence record and
-    fsyncs first, then overwrites the key's record in place with a `D` record of the
-    same length, and fsyncs. A crash between the two leaves a fenced key, which counts
-    as destroyed and is overwritten at the next open; a crash in the middle of an
-    append leaves a torn record, never acknowledged, which the next writer cuts off.
+    **Layout.** A 16-byte head (`FILE_MAGIC`, the record width `W` as a big-endian
+    u16, zeros), then fixed-size records of `_REC.size + W` bytes: tag (1 byte), key id
+    (16 bytes), length (2 bytes, big-endian), then `W` bytes holding that many bytes
+    of content and zeros after it. Tags: `K` a wrapped key, `F` a fence whose key may
+    still be in the file (a destroy under way, or cut short by a crash), `X` a fence
+    whose key record is overwritten, `D` a destroyed or released key (its bytes
+    zeroed). `W` is the longest wrapped key the file holds (32 bytes unwrapped, 60
+    under a master key); a longer one (another wrapper) makes the writer rewrite the
+    file with a larger `W` first.
 
-    A key store written by an earlier memledger as JSON Lines (`{"k": id, "w":
-    base64}` / `{"f": id}` / `{"d": ...}`) is rewritten in this format when first
-    opened (a new file, fsynced, renamed over the old one); destroyed keys are not
+    **Reading only what is needed.** A process maps the file (`mmap`, read only) and
+    takes the first 8 bytes of every record's id into one integer array, with no
+    Python step per record; a key is found by comparing that array (a scan for the
+    first few look-ups, then a sorted copy and binary search), confirmed against the
+    whole id and tag in the mapping, and unwrapped only when asked for. So a new
+    process that opens two values of a 100k-key store reads two keys, not 100k.
+
+    **Writes.** Writers take an exclusive `flock` on the file (and check that the path
+    still names the file they locked: a rewrite replaces it), read what other
+    processes appended since their last look, append their records in one write and
+    fsync before they return: one fsync for a whole pool of keys
+    (`KeyStore.provision_pool`). Destroying a key appends its `F` record and fsyncs
+    first, then overwrites the key's record in place with a `D` record, fsyncs, and
+    only then turns the `F` into an `X`. A crash in between leaves an `F`: the key
+    counts as destroyed at once (every reader checks for a fence), and the next
+    process that opens the file overwrites it. A crash in the middle of an append
+    leaves a torn record (or zeros), never acknowledged, which readers skip and the
+    next writer cuts off.
+
+    Key stores written by an earlier memledger (JSON Lines `{"k": id, "w": base64}` /
+    `{"f": id}`, or the variable-length records of `FILE_MAGIC_V2`) are rewritten in
+    this format when first opened (a new file, fsynced, renamed over the old one, the
+    old file's bytes zeroed before its last link goes); destroyed keys are not
     carried over.
     """
 
@@ -376,14 +398,21 @@ class FileKeyStore(KeyStore):
                  ) -> None:
         super().__init__(wrapper)
         self.path = Path(path)
-        self._keys: dict[str, tuple[int, bytes]] = {}  # id -> (record offset, wrapped)
-        self._plain: dict[str, bytes] = {}  # unwrapped keys, by id
-        self._fences: set[str] = set()
-        self._read_to = 0
         self._ino: int | None = None
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._opened = False
+        self._map: mmap.mmap | None = None
+        # Unwrapped keys by id, with the number of the record they were read from.
+        self._plain: dict[str, tuple[int, bytes]] = {}
+        self._width = -1  # record content width W; -1 until the head is read
+        self._n = 0  # whole records indexed (and mapped)
+        self._hi = np.zeros(0, np.int64)  # first 8 bytes of each record's id; [:n] used
+        self._order: NDArray[np.int64] | None = None  # records [0, _ns) sorted by _hi
+        self._sorted_hi: NDArray[np.int64] | None = None
+        self._ns = 0
+        self._scans = 0
+        self._pending: list[int] = []  # `F` records seen at the first read
 
     def where(self) -> str:
         return str(self.path)
@@ -392,6 +421,16 @@ class FileKeyStore(KeyStore):
         return self.path.exists()
 
     # -- the file ------------------------------------------------------------------------
+    def _reset(self) -> None:
+        """Forget what was read of the file (it was replaced: read it again)."""
+        if self._map is not None:
+            self._map.close()
+        self._map = None
+        self._plain.clear()
+        self._width, self._n, self._ns, self._scans = -1, 0, 0, 0
+        self._hi = np.zeros(0, np.int64)
+        self._order = self._sorted_hi = None
+
     def _open_fd(self, create: bool) -> int | None:
         """The store's file descriptor (reopened if the file was replaced), or None if
         the file does not exist and `create` is false."""
@@ -404,9 +443,7 @@ class FileKeyStore(KeyStore):
                 return self._fd
             os.close(self._fd)
             self._fd, self._ino = None, None
-            self._keys.clear()
-            self._plain.clear()
-            self._read_to = 0  # replaced (converted by another process): read it again
+            self._reset()  # replaced (rewritten by another process): read it again
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         try:
             fd = os.open(self.path, flags, 0o600)
@@ -414,114 +451,293 @@ class FileKeyStore(KeyStore):
             return None
         with _flocked(fd):
             if os.fstat(fd).st_size == 0:
-                os.write(fd, FILE_MAGIC)
+                os.write(fd, _file_head(0))
                 os.fsync(fd)
                 fsync_dir(self.path)
-            legacy = os.pread(fd, 1, 0) == b"{"
-        if legacy:
+            first = os.pread(fd, len(FILE_MAGIC), 0)
+        if first[:1] == b"{" or first == FILE_MAGIC_V2:
             os.close(fd)
             self._convert_legacy()
             return self._open_fd(create)
         self._fd, self._ino = fd, os.fstat(fd).st_ino
         return fd
 
+    @contextlib.contextmanager
+    def _locked(self, create: bool) -> Iterator[int | None]:
+        """The file descriptor under an exclusive `flock`, the path checked to still
+        name the locked file (a rewrite by another process replaces it), and what other
+        processes appended read (a torn record cut off). None if there is no file and
+        `create` is false."""
+        while True:
+            fd = self._open_fd(create)
+            if fd is None:
+                yield None
+                return
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            fcntl.flock(fd, fcntl.LOCK_UN)  # replaced meanwhile: open the new one
+        try:
+            self._read_tail(fd, writer=True)
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _rec_size(self) -> int:
+        return _REC.size + self._width
+
     def _read_tail(self, fd: int, *, writer: bool) -> None:
-        """Index the records appended since the last look. A torn last record is left
-        for later by a reader (its writer may still be at work) and cut off by a writer
-        (holding the lock, it knows nobody is)."""
+        """Map and index the records appended since the last look (no Python step per
+        record). A torn last record is left for later by a reader (its writer may still
+        be at work) and cut off by a writer (holding the lock, it knows nobody is)."""
         size = os.fstat(fd).st_size
-        if self._read_to == 0:
-            if os.pread(fd, len(FILE_MAGIC), 0) != FILE_MAGIC:
+        if self._n == 0:  # the width of a file without records may have been set since
+            head = os.pread(fd, _HEAD_BYTES, 0)
+            if len(head) < _HEAD_BYTES or head[:len(FILE_MAGIC)] != FILE_MAGIC:
                 raise VaultError(f"key store {self.path} is not a memledger key store "
                                  "(or its first bytes are damaged)")
-            self._read_to = len(FILE_MAGIC)
-        if size > self._read_to:
-            data = os.pread(fd, size - self._read_to, self._read_to)
-            base, i, n = self._read_to, 0, len(data)
-            keys, fences = self._keys, self._fences
-            while i + _REC.size <= n:
-                tag, raw_id, length = _REC.unpack_from(data, i)
-                end = i + _REC.size + length
-                if end > n:
-                    break
-                kid = raw_id.hex()
-                if tag == b"K":
-                    keys[kid] = (base + i, data[i + _REC.size:end])
-                elif tag == b"F":
-                    fences.add(kid)
-                elif tag != b"D":
-                    raise VaultError(f"key store {self.path} is damaged at byte {base + i}")
-                i = end
-            self._read_to = base + i
-            if writer and self._read_to < size:  # a torn record of a crashed writer
-                os.ftruncate(fd, self._read_to)
-                os.fsync(fd)
+            self._width = _WIDTH.unpack_from(head, len(FILE_MAGIC))[0]
+        rec = self._rec_size()
+        whole = (size - _HEAD_BYTES) // rec
+        if whole < self._n:  # shorter than what was read: not ours to trust, read again
+            self._reset()
+            self._read_tail(fd, writer=writer)
+            return
+        if whole > self._n:
+            if self._map is not None:
+                self._map.close()
+            self._map = mmap.mmap(fd, _HEAD_BYTES + whole * rec, mmap.MAP_SHARED,
+                                  mmap.PROT_READ)
+            base = self._n
+            view = np.frombuffer(self._map, dtype=_rec_dtype(rec), count=whole - base,
+                                 offset=_HEAD_BYTES + base * rec)
+            tags = np.array(view["tag"])
+            hi = view["hi"].astype(np.int64)
+            del view  # no view may outlive the mapping
+            bad = np.flatnonzero(~np.isin(tags, _TAGS))
+            if len(bad):
+                first = int(bad[0])
+                if tags[first:].any():
+                    raise VaultError(f"key store {self.path} is damaged at byte "
+                                     f"{_HEAD_BYTES + (base + first) * rec}")
+                whole = base + first  # zeros at the end: an append cut short
+                tags, hi = tags[:first], hi[:first]
+            if not self._opened:
+                self._pending = (np.flatnonzero(tags == _F) + base).tolist()
+            late = np.flatnonzero((tags == _F) | (tags == _X)) if self._plain else ()
+            if len(self._hi) < whole:
+                grown = np.zeros(max(whole, 2 * len(self._hi), 1024), np.int64)
+                grown[:base] = self._hi[:base]
+                self._hi = grown
+            self._hi[base:whole] = hi
+            self._n = whole
+            for i in late:  # another process's fences: drop the keys read before
+                self._plain.pop(self._record(base + int(i))[1].hex(), None)
+        end = _HEAD_BYTES + self._n * rec
+        if writer and end < size:  # a torn record of a crashed writer
+            os.ftruncate(fd, end)
+            os.fsync(fd)
         if not self._opened:
             self._opened = True
-            leftover = [k for k in self._fences if k in self._keys]
-            if leftover:  # fenced before a crash, not yet overwritten
-                self._overwrite(fd, leftover)
+            pending, self._pending = self._pending, []
+            if pending:  # fenced before a crash, key record not yet overwritten
+                if writer:
+                    self._settle(fd, pending)
+                else:
+                    with _flocked(fd):
+                        self._settle(fd, pending)
 
-    def _append(self, fd: int, records: bytes) -> int:
-        """Write `records` at the end (the caller holds the lock and has read the tail)
-        and fsync; returns the offset they start at."""
-        start = self._read_to
-        os.pwrite(fd, records, start)
+    def _record(self, i: int) -> tuple[bytes, bytes, bytes]:
+        """(tag, raw id, content) of record `i`, as the file holds it now."""
+        assert self._map is not None
+        rec = self._rec_size()
+        off = _HEAD_BYTES + i * rec
+        raw = self._map[off:off + rec]
+        tag, rid, length = _REC.unpack_from(raw)
+        return tag, rid, raw[_REC.size:_REC.size + length]
+
+    def _find(self, rids: Sequence[bytes]) -> list[list[int]]:
+        """The numbers of the records of each raw id, in file order."""
+        n = self._n
+        if not n or not rids:
+            return [[] for _ in rids]
+        keys = np.array([int.from_bytes(r[:8], "big", signed=True) for r in rids], np.int64)
+        hits: list[list[int]]
+        if len(rids) > _SCAN_BATCH or self._scans >= _SCANS or self._order is not None:
+            if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
+                self._order = np.argsort(self._hi[:n], kind="stable")
+                self._sorted_hi = self._hi[:n][self._order]
+                self._ns = n
+            assert self._sorted_hi is not None
+            lo = self._sorted_hi.searchsorted(keys, "left").tolist()
+            up = self._sorted_hi.searchsorted(keys, "right").tolist()
+            tail = self._hi[self._ns:n]
+            order = self._order
+            hits = []
+            for j, k in enumerate(keys):
+                got = order[lo[j]:up[j]].tolist() if up[j] > lo[j] else []
+                if len(tail):
+                    got.extend((np.flatnonzero(tail == k) + self._ns).tolist())
+                hits.append(sorted(got))
+        else:
+            self._scans += len(rids)
+            hi = self._hi[:n]
+            hits = [np.flatnonzero(hi == k).tolist() for k in keys]
+        return [[i for i in got if self._record(i)[1] == rid]
+                for rid, got in zip(rids, hits, strict=True)]
+
+    def _states(self, ids: Sequence[str]) -> list[tuple[int | None, bool]]:
+        """For each id: (its key record, or None; is it fenced)."""
+        out: list[tuple[int | None, bool]] = []
+        for recs in self._find([bytes.fromhex(k) for k in ids]):
+            key, fenced = None, False
+            for i in recs:
+                tag = self._record(i)[0]
+                if tag == b"K":
+                    key = i
+                elif tag in (b"F", b"X"):
+                    fenced = True
+            out.append((key, fenced))
+        return out
+
+    def _append(self, fd: int, records: bytes) -> None:
+        """Write `records` at the end (the caller holds the lock and has read the tail),
+        fsync, and index them."""
+        os.pwrite(fd, records, _HEAD_BYTES + self._n * self._rec_size())
         os.fsync(fd)
-        self._read_to = start + len(records)
-        return start
+        self._read_tail(fd, writer=True)
 
-    def _overwrite(self, fd: int, ids: Sequence[str]) -> None:
-        """Overwrite the records of `ids`' keys in place with `D` records and fsync."""
-        hits = [(k, *self._keys[k]) for k in ids if k in self._keys]
-        for k, off, wrapped in hits:
-            os.pwrite(fd, _REC.pack(b"D", bytes.fromhex(k), len(wrapped))
-                      + bytes(len(wrapped)), off)
-        if hits:
+    def _records(self, tag: bytes, ids: Iterable[str],
+                 content: dict[str, bytes] | None = None) -> bytes:
+        width = self._width
+        out = bytearray()
+        for k in ids:
+            body = b"" if content is None else content[k]
+            out += _REC.pack(tag, bytes.fromhex(k), len(body)) + body.ljust(width, b"\x00")
+        return bytes(out)
+
+    def _overwrite(self, fd: int, records: Iterable[int]) -> int:
+        """Overwrite key records in place with `D` records (zeros where the key was)
+        and fsync; returns how many."""
+        rec = self._rec_size()
+        done = 0
+        for i in records:
+            tag, rid, _ = self._record(i)
+            if tag == b"K":
+                os.pwrite(fd, _REC.pack(b"D", rid, 0) + bytes(self._width),
+                          _HEAD_BYTES + i * rec)
+                done += 1
+        if done:
             os.fsync(fd)
-        for k, _, _ in hits:
-            del self._keys[k]
-            self._plain.pop(k, None)
+        return done
+
+    def _settle(self, fd: int, fences: Sequence[int]) -> None:
+        """Overwrite the key records of the ids of `F` records `fences` (fsynced), then
+        turn those `F`s into `X`s (a lost `X` only means the check is made again)."""
+        rids = [self._record(i)[1] for i in fences]
+        self._overwrite(fd, [i for recs in self._find(rids) for i in recs])
+        rec = self._rec_size()
+        for i in fences:
+            if self._record(i)[0] == b"F":
+                os.pwrite(fd, b"X", _HEAD_BYTES + i * rec)
+        for rid in rids:
+            self._plain.pop(rid.hex(), None)
+
+    def _widen(self, fd: int, width: int) -> None:
+        """Make room for content of `width` bytes (the caller holds the lock): an empty
+        file gets a new head; one with records is rewritten (keys and fences; `D`
+        records are dropped) and replaced, and this process reopens it."""
+        if self._n == 0:
+            os.pwrite(fd, _file_head(width), 0)
+            os.fsync(fd)  # the head is durable before any record of its width
+            self._width = width
+            return
+        keys: dict[str, bytes] = {}
+        fences: list[str] = []
+        for i in range(self._n):
+            tag, rid, body = self._record(i)
+            if tag == b"K":
+                keys[rid.hex()] = body
+            elif tag in (b"F", b"X"):
+                fences.append(rid.hex())
+        self._write_new(fd, width, keys, fences)
+
+    def _write_new(self, old_fd: int, width: int, keys: dict[str, bytes],
+                   fences: Iterable[str]) -> None:
+        """Replace the file by one of `width` holding `keys` (those not fenced) and
+        `fences` (as `X`): written beside, fsynced, renamed over it; then the old file's
+        bytes are zeroed (they held the keys of forgotten subjects too) and fsynced."""
+        fenced = set(fences)
+        self._width = width
+        data = bytearray(_file_head(width))
+        data += self._records(b"X", sorted(fenced))
+        data += self._records(b"K", [k for k in keys if k not in fenced], keys)
+        replace_file(self.path, self.path.with_name(self.path.name + ".converting"),
+                     bytes(data))
+        old = os.fstat(old_fd).st_size
+        os.pwrite(old_fd, bytes(old), 0)
+        os.fsync(old_fd)
+        self._reset()
 
     def _convert_legacy(self) -> None:
-        """Rewrite a JSON Lines key store (an earlier format) in this one."""
+        """Rewrite a key store of an earlier format (JSON Lines, or `FILE_MAGIC_V2`'s
+        variable-length records) in this one."""
         fd = os.open(self.path, os.O_RDWR)
         try:
             with _flocked(fd):
-                if os.pread(fd, 1, 0) != b"{":
-                    return  # another process converted it meanwhile
                 data = b""
                 while chunk := os.pread(fd, 1 << 20, len(data)):
                     data += chunk
-                keys: dict[str, bytes] = {}
-                fences: set[str] = set()
-                lines = data.split(b"\n")
-                for n, line in enumerate(lines):
-                    try:
-                        obj = orjson.loads(line) if line.strip() else {}
-                    except orjson.JSONDecodeError:
-                        if n == len(lines) - 1:
-                            break  # a torn last line was never acknowledged
-                        raise VaultError(f"key store {self.path} is damaged at line "
-                                         f"{n + 1}") from None
-                    if "k" in obj:
-                        keys[obj["k"]] = base64.b64decode(obj["w"])
-                    elif "f" in obj:
-                        fences.add(obj["f"])
-                out = bytearray(FILE_MAGIC)
-                for k in sorted(fences):
-                    out += _REC.pack(b"F", bytes.fromhex(k), 0)
-                for k, w in keys.items():
-                    if k not in fences:
-                        out += _REC.pack(b"K", bytes.fromhex(k), len(w)) + w
-                tmp = self.path.with_name(self.path.name + ".converting")
-                replace_file(self.path, tmp, bytes(out))
-                # The old file's blocks held the keys of forgotten subjects as well:
-                # zero them before the last link to it goes.
-                os.pwrite(fd, bytes(len(data)), 0)
-                os.fsync(fd)
+                if data[:1] == b"{":
+                    keys, fences = self._parse_json_lines(data)
+                elif data[:len(FILE_MAGIC_V2)] == FILE_MAGIC_V2:
+                    keys, fences = self._parse_v2(data)
+                else:
+                    return  # another process converted it meanwhile
+                width = max((len(w) for w in keys.values()), default=0)
+                self._write_new(fd, width, keys, fences)
         finally:
             os.close(fd)
+
+    def _parse_json_lines(self, data: bytes) -> tuple[dict[str, bytes], set[str]]:
+        keys: dict[str, bytes] = {}
+        fences: set[str] = set()
+        lines = data.split(b"\n")
+        for n, line in enumerate(lines):
+            try:
+                obj = orjson.loads(line) if line.strip() else {}
+            except orjson.JSONDecodeError:
+                if n == len(lines) - 1:
+                    break  # a torn last line was never acknowledged
+                raise VaultError(f"key store {self.path} is damaged at line "
+                                 f"{n + 1}") from None
+            if "k" in obj:
+                keys[obj["k"]] = base64.b64decode(obj["w"])
+            elif "f" in obj:
+                fences.add(obj["f"])
+        return keys, fences
+
+    def _parse_v2(self, data: bytes) -> tuple[dict[str, bytes], set[str]]:
+        keys: dict[str, bytes] = {}
+        fences: set[str] = set()
+        i, n = len(FILE_MAGIC_V2), len(data)
+        while i + _REC.size <= n:
+            tag, raw_id, length = _REC.unpack_from(data, i)
+            end = i + _REC.size + length
+            if end > n:
+                break  # a torn last record was never acknowledged
+            if tag == b"K":
+                keys[raw_id.hex()] = data[i + _REC.size:end]
+            elif tag == b"F":
+                fences.add(raw_id.hex())
+            elif tag != b"D":
+                raise VaultError(f"key store {self.path} is damaged at byte {i}")
+            i = end
+        return keys, fences
 
     def _refresh(self) -> int | None:
         """Read what other processes appended since the last look (caller holds
@@ -532,109 +748,172 @@ class FileKeyStore(KeyStore):
         return fd
 
     # -- the interface -------------------------------------------------------------------
-    def _unwrapped(self, kid: str) -> bytes:
-        key = self._plain.get(kid)
-        if key is None:
-            key = self._plain[kid] = self.wrapper.unwrap(kid, self._keys[kid][1])
+    def _unwrapped(self, kid: str, record: int) -> bytes:
+        key = self.wrapper.unwrap(kid, self._record(record)[2])
+        self._plain[kid] = (record, key)
         return key
+
+    def _cached(self, kid: str) -> bytes | None:
+        """The key read earlier, if its record still holds it (another process's
+        destroy overwrites it in place, which the mapping shows)."""
+        got = self._plain.get(kid)
+        if got is None:
+            return None
+        if self._record(got[0])[0] != b"K":
+            del self._plain[kid]
+            return None
+        return got[1]
+
+    def _present(self, ids: Sequence[str]) -> dict[str, bytes]:
+        """The keys of `ids` the file holds and no fence names (caller holds `_lock`)."""
+        out: dict[str, bytes] = {}
+        todo = []
+        for k in ids:
+            key = self._cached(k)
+            if key is None:
+                todo.append(k)
+            else:
+                out[k] = key
+        if todo:
+            for k, (rec, fenced) in zip(todo, self._states(todo), strict=True):
+                if rec is not None and not fenced:
+                    out[k] = self._unwrapped(k, rec)
+        return out
 
     def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
         with self._lock:
             if ids is None:
                 self._refresh()
-                return {k: self._unwrapped(k) for k in self._keys if k not in self._fences}
-            wanted = list(ids)
-            if any(k not in self._keys for k in wanted):
+                fenced = {self._record(i)[1] for i in range(self._n)
+                          if self._record(i)[0] in (b"F", b"X")}
+                out = {}
+                for i in range(self._n):
+                    tag, rid, _ = self._record(i)
+                    if tag == b"K" and rid not in fenced:
+                        out[rid.hex()] = self._unwrapped(rid.hex(), i)
+                return out
+            wanted = list(dict.fromkeys(ids))
+            if self._fd is None:
                 self._refresh()
-            return {k: self._unwrapped(k) for k in wanted
-                    if k in self._keys and k not in self._fences}
+            got = self._present(wanted)
+            if len(got) < len(wanted):
+                seen = (self._ino, self._n)
+                self._refresh()  # appended (or rewritten) by another process since?
+                if (self._ino, self._n) != seen:
+                    got.update(self._present([k for k in wanted if k not in got]))
+            return got
 
     def create(self) -> None:
-        """Create the file (empty, with its header) if it does not exist."""
+        """Create the file (empty, with its head) if it does not exist."""
         with self._lock:
             self._open_fd(create=True)
 
     def get(self, kid: str) -> bytes | None:
-        with self._lock:
-            if kid not in self._keys:
-                self._refresh()
-            if kid in self._keys and kid not in self._fences:
-                return self._unwrapped(kid)
-            return None
+        return self.load([kid]).get(kid)
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         with self._lock:
             self._refresh()
-            return {k for k in ids if k in self._fences}
+            want = list(dict.fromkeys(ids))
+            return {k for k, (_, f) in zip(want, self._states(want), strict=True) if f}
 
     def _provision(self, want: Sequence[str], *, fresh: bool = False) -> dict[str, bytes]:
         with self._lock:
             self._refresh()  # a fence another process wrote since counts
-            if not fresh and all(k in self._keys and k not in self._fences for k in want):
-                return {k: self._unwrapped(k) for k in want}
-            fd = self._open_fd(create=True)
-            assert fd is not None
-            with _flocked(fd):
-                self._read_tail(fd, writer=True)
-                _refuse_fenced([k for k in want if k in self._fences
-                                or (fresh and k in self._keys)])
-                have = {k: self._unwrapped(k) for k in want if k in self._keys}
-                new = self._new_keys([k for k in want if k not in have])
-                if new:
-                    out = bytearray()
-                    offs: list[tuple[str, int, bytes]] = []
-                    for k, (key, wrapped) in new.items():
-                        offs.append((k, len(out), wrapped))
-                        out += _REC.pack(b"K", bytes.fromhex(k), len(wrapped)) + wrapped
-                        self._plain[k] = key
-                    start = self._append(fd, bytes(out))
-                    for k, off, wrapped in offs:
-                        self._keys[k] = (start + off, wrapped)
-                    have.update({k: key for k, (key, _) in new.items()})
-            return have
+            if not fresh:
+                have = self._present(want)
+                if len(have) == len(want):
+                    return have
+            while True:
+                with self._locked(create=True) as fd:
+                    assert fd is not None
+                    states = self._states(want)
+                    _refuse_fenced([k for k, (rec, fenced) in zip(want, states, strict=True)
+                                    if fenced or (fresh and rec is not None)])
+                    have = {k: self._unwrapped(k, rec)
+                            for k, (rec, _) in zip(want, states, strict=True)
+                            if rec is not None}
+                    new = self._new_keys([k for k in want if k not in have])
+                    if not new:
+                        return have
+                    width = max(len(w) for _, w in new.values())
+                    if width > self._width:
+                        self._widen(fd, width)
+                        continue  # rewritten: lock the file the path names now
+                    first = self._n
+                    self._append(fd, self._records(b"K", list(new),
+                                                   {k: w for k, (_, w) in new.items()}))
+                    for i, (k, (key, _)) in enumerate(new.items()):
+                        self._plain[k] = (first + i, key)
+                        have[k] = key
+                    return have
 
     def _fence(self, ids: Sequence[str]) -> None:
-        with self._lock:
-            fd = self._open_fd(create=True)
+        with self._lock, self._locked(create=True) as fd:
             assert fd is not None
-            with _flocked(fd):
-                self._read_tail(fd, writer=True)
-                self._append(fd, b"".join(_REC.pack(b"F", bytes.fromhex(k), 0)
-                                          for k in ids))
-                self._fences.update(ids)
-                for k in ids:
-                    self._plain.pop(k, None)
+            self._append(fd, self._records(b"F", ids))
+            for k in ids:
+                self._plain.pop(k, None)
 
     def _remove(self, ids: Sequence[str]) -> None:
-        self._overwrite_locked(ids, fenced_only=True)
-
-    def _release(self, ids: Sequence[str]) -> None:
-        self._overwrite_locked(ids, fenced_only=False)
-
-    def _overwrite_locked(self, ids: Sequence[str], *, fenced_only: bool) -> None:
-        """`_overwrite` under both locks, after reading what other processes appended
-        (so `fenced_only` sees their fences too)."""
-        with self._lock:
-            fd = self._open_fd(create=False)
+        """Overwrite the key records of the fenced ones of `ids` (the fences another
+        process wrote count), then mark their fences settled."""
+        with self._lock, self._locked(create=False) as fd:
             if fd is None:
                 return
-            with _flocked(fd):
-                self._read_tail(fd, writer=True)
-                self._overwrite(fd, [k for k in ids if k in self._fences]
-                                if fenced_only else ids)
+            fences = [i for recs in self._find([bytes.fromhex(k) for k in ids])
+                      for i in recs if self._record(i)[0] == b"F"]
+            self._settle(fd, fences)
+
+    def _release(self, ids: Sequence[str]) -> None:
+        with self._lock, self._locked(create=False) as fd:
+            if fd is None:
+                return
+            self._overwrite(fd, [i for recs in self._find([bytes.fromhex(k) for k in ids])
+                                 for i in recs])
+            for k in ids:
+                self._plain.pop(k, None)
 
     def close(self) -> None:
         with self._lock:
+            self._reset()
             if self._fd is not None:
                 os.close(self._fd)
-                self._fd = None
-            self._plain.clear()
+                self._fd, self._ino = None, None
+            self._opened = False
 
 
-#: First bytes of a key store file (`FileKeyStore`).
-FILE_MAGIC: Final = b"\x00mlks2\n"
-#: A key store record's head: tag, key id, length of what follows.
+#: First bytes of a key store file (`FileKeyStore`); the record width follows.
+FILE_MAGIC: Final = b"\x00mlks3\n"
+#: First bytes of a key store file of the previous format (variable-length records,
+#: rewritten in the current one when first opened).
+FILE_MAGIC_V2: Final = b"\x00mlks2\n"
+_WIDTH: Final = struct.Struct(">H")
+#: Bytes before the first record: the magic, the width, zeros.
+_HEAD_BYTES: Final = 16
+#: A key store record's head: tag, key id, length of the content that follows (the
+#: record then runs to the file's width).
 _REC: Final = struct.Struct(">c16sH")
+_F: Final = ord("F")
+_X: Final = ord("X")
+_TAGS: Final = np.frombuffer(b"KFXD", dtype=np.uint8)
+#: Look-ups by a scan of the id array before a sorted copy is made (and a batch of
+#: more ids than `_SCAN_BATCH` sorts at once); at most `_UNSORTED` records (or an
+#: eighth of the sorted ones) appended since the sort are scanned before it is redone.
+_SCANS: Final = 32
+_SCAN_BATCH: Final = 8
+_UNSORTED: Final = 4096
+
+
+def _file_head(width: int) -> bytes:
+    head = FILE_MAGIC + _WIDTH.pack(width)
+    return head + bytes(_HEAD_BYTES - len(head))
+
+
+def _rec_dtype(size: int) -> np.dtype[Any]:
+    """A record as numpy reads it: its tag and the first 8 bytes of its id."""
+    return np.dtype({"names": ["tag", "hi"], "formats": ["u1", ">i8"], "offsets": [0, 1],
+                     "itemsize": size})
 
 
 @contextlib.contextmanager

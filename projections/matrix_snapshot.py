@@ -60,14 +60,24 @@ from ledger import schema as t
 from ledger.backends.sqlite import file_path
 from ledger.durable import fsync_dir
 from ledger.store import Store
-from projections.principal_index import Group, PackedOrders, PrincipalIndex
+from projections.principal_index import (
+    Group,
+    KeyRows,
+    PackedOrders,
+    PackedText,
+    PrincipalIndex,
+    RowOf,
+    pack,
+)
 from projections.sql import PointQuery, point_rows
 
 log = structlog.get_logger("memledger.recall")
 
 ENV: Final = "MEMLEDGER_RECALL_SNAPSHOTS"
 MAGIC: Final = b"MLSNAP\x00\x01"
-VERSION: Final = 1
+#: The format written; version 1 (ids, keys and rows by key as JSON) is still read by
+#: `erase` and `holding`, never loaded (it is deleted and written again).
+VERSION: Final = 2
 SUFFIX: Final = ".snap"
 _ALIGN: Final = 4096
 _LEN: Final = struct.Struct("<I")
@@ -155,31 +165,70 @@ def generation(d: Path | None) -> int:
 @dataclass(frozen=True)
 class Image:
     """What a snapshot holds, copied from an index on the event loop's thread (the
-    matrix is shared: a concurrent patch only zeroes or appends past `n`)."""
+    matrix is shared: a concurrent patch only zeroes or appends past `n`; packed
+    columns share their blobs, which never change)."""
 
     tenant: str
     prefix: str
     idx: PrincipalIndex
     n: int
     alive: bytes
-    ids: list[str]
-    keys: list[str]
-    orders: list[bytes]
-    key_rows: dict[str, list[int]]
+    ids: Sequence[str]
+    keys: Sequence[str]
+    orders: Sequence[bytes]
+    key_rows: dict[str, list[int]] | KeyRows
     groups: list[tuple[tuple[str, str], list[str], list[str], np.ndarray]]
     task_ids: list[str]
     task_matrix: np.ndarray
 
 
+def _first(col: Any, n: int) -> Any:
+    """The first `n` items of a column, unaffected by later appends."""
+    return col.frozen(n) if hasattr(col, "frozen") else list(col[:n])
+
+
 def image(tenant: str, prefix: str, idx: PrincipalIndex) -> Image:
-    """Copy what the file needs out of `idx` (cheap: lists, the small matrices)."""
+    """Copy what the file needs out of `idx` (cheap: packed columns are shared, lists
+    copied; rows by key copied as they are)."""
     n = idx.n
-    key_rows = {k: [r for r in rows if r < n] for k, rows in idx.key_rows.items()}
+    kr = idx.key_rows
+    key_rows = kr.frozen(n) if isinstance(kr, KeyRows) else {
+        k: [r for r in rows if r < n] for k, rows in kr.items()}
     return Image(tenant, prefix, idx, n, np.ascontiguousarray(idx.alive[:n], np.uint8).tobytes(),
-                 list(idx.ids[:n]), list(idx.keys[:n]), list(idx.orders[:n]), key_rows,
+                 _first(idx.ids, n), _first(idx.keys, n), _first(idx.orders, n), key_rows,
                  [(k, list(g.ids), list(g.keys), np.array(g.columns, dtype="<f4"))
                   for k, g in idx.groups.items()],
                  list(idx.task_ids), np.array(idx.task_matrix, dtype="<f4"))
+
+
+#: The sections after the matrix, in file order (all checksummed; see the module doc).
+_SECTIONS: Final = ("alive", "orders", "order_ends", "ids", "id_ends", "keys", "key_ends",
+                    "by_id", "kr_keys", "kr_key_ends", "kr_starts", "kr_rows", "tasks",
+                    "groups", "meta")
+
+
+def _i8(a: Any) -> bytes:
+    return np.ascontiguousarray(a, dtype="<i8").tobytes()
+
+
+def _packed_columns(im: Image) -> dict[str, bytes]:
+    """ids, keys and source orders packed (blob + end offsets); live rows sorted by id;
+    rows by normalised key as sorted keys with their rows (CSR)."""
+    out: dict[str, bytes] = {}
+    for name, col, text in (("ids", im.ids, True), ("keys", im.keys, True),
+                            ("orders", im.orders, False)):
+        blob, ends = pack(col, text)
+        out[name], out[name[:-1] + "_ends"] = blob, _i8(ends)
+    ids = list(im.ids)
+    alive = np.frombuffer(im.alive, dtype=np.uint8)
+    live = {ids[r]: r for r in np.flatnonzero(alive).tolist()}  # the last row of an id
+    out["by_id"] = _i8([live[m] for m in sorted(live)])
+    by_key = sorted((k.encode(), rows) for k, rows in im.key_rows.items() if rows)
+    kblob, kends = pack([k for k, _ in by_key], False)
+    out["kr_keys"], out["kr_key_ends"] = kblob, _i8(kends)
+    out["kr_starts"] = _i8(np.cumsum([0, *(len(r) for _, r in by_key)]))
+    out["kr_rows"] = _i8([r for _, rows in by_key for r in rows])
+    return out
 
 
 def _encode(im: Image, db: list[int]) -> tuple[bytes, np.ndarray, list[bytes]]:
@@ -187,16 +236,13 @@ def _encode(im: Image, db: list[int]) -> tuple[bytes, np.ndarray, list[bytes]]:
     idx = im.idx
     columns = np.ascontiguousarray(idx.columns)
     cap = columns.shape[1]
-    ends = np.cumsum([len(o) for o in im.orders], dtype=np.int64) if im.orders else \
-        np.zeros(0, np.int64)
-    meta = orjson.dumps({"ids": im.ids, "keys": im.keys,
-                         "key_rows": im.key_rows,
-                         "groups": [[k[0], k[1], ids, keys] for k, ids, keys, _ in im.groups],
+    meta = orjson.dumps({"groups": [[k[0], k[1], ids, keys] for k, ids, keys, _ in im.groups],
                          "task_ids": im.task_ids})
-    tail = [im.alive, b"".join(im.orders), ends.astype("<i8").tobytes(),
-            im.task_matrix.astype("<f4").tobytes(),
-            b"".join(m.astype("<f4").tobytes() for *_, m in im.groups), meta]
-    names = ["alive", "orders", "order_ends", "tasks", "groups", "meta"]
+    parts = {**_packed_columns(im), "alive": im.alive,
+             "tasks": im.task_matrix.astype("<f4").tobytes(),
+             "groups": b"".join(m.astype("<f4").tobytes() for *_, m in im.groups),
+             "meta": meta}
+    tail = [parts[name] for name in _SECTIONS]
     digest = hashlib.blake2b(digest_size=_DIGEST)
     for part in tail:
         digest.update(part)
@@ -213,7 +259,7 @@ def _encode(im: Image, db: list[int]) -> tuple[bytes, np.ndarray, list[bytes]]:
         off = -(-head_len // _ALIGN) * _ALIGN
         sections = {"columns": [off, columns.nbytes]}
         off += columns.nbytes
-        for name, part in zip(names, tail, strict=True):
+        for name, part in zip(_SECTIONS, tail, strict=True):
             sections[name] = [off, len(part)]
             off += len(part)
         header["sections"], header["size"] = sections, off
@@ -307,15 +353,19 @@ def _header(f: Any, size: int) -> dict[str, Any]:
     if hashlib.blake2b(raw, digest_size=_DIGEST).digest() != digest:
         raise Damaged("header digest")
     header: dict[str, Any] = orjson.loads(raw)
-    if header.get("v") != VERSION or header.get("size") != size:
+    if header.get("v") not in (1, VERSION) or header.get("size") != size:
         raise Damaged("version or size")
     return header
+
+
+#: The sections after the matrix in a version 1 file.
+_SECTIONS_V1: Final = ("alive", "orders", "order_ends", "tasks", "groups", "meta")
 
 
 def _sections(f: Any, header: dict[str, Any]) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     digest = hashlib.blake2b(digest_size=_DIGEST)
-    for name in ("alive", "orders", "order_ends", "tasks", "groups", "meta"):
+    for name in (_SECTIONS if header["v"] == VERSION else _SECTIONS_V1):
         off, n = header["sections"][name]
         f.seek(off)
         out[name] = f.read(n)
@@ -352,6 +402,8 @@ def load(store: Store, tenant: str, prefix: str, model: str, dim: int
             if (h["tenant"], h["prefix"], h["model"], h["dim"]) != (tenant, prefix, model, dim) \
                     or h["db"] != database_identity(store.url):
                 return None  # another principal's file under a colliding name, or stale
+            if h["v"] != VERSION:
+                raise Damaged("an earlier format")  # written again by the next load
             s = _sections(f, h)
         n, cap = int(h["n"]), int(h["cap"])
         off, nbytes = h["sections"]["columns"]
@@ -359,19 +411,27 @@ def load(store: Store, tenant: str, prefix: str, model: str, dim: int
             raise Damaged("matrix shape")
         columns = np.memmap(path, dtype="<f4", mode="c", offset=off, shape=(dim, cap)
                             ).view(np.ndarray) if cap else np.zeros((dim, 0), np.float32)
-        meta = orjson.loads(s["meta"])
-        ids: list[str] = meta["ids"]
-        keys: list[str] = meta["keys"]
         alive = np.zeros(cap, dtype=bool)
         alive[:n] = np.frombuffer(s["alive"], dtype=np.uint8).astype(bool)
-        ends = np.frombuffer(s["order_ends"], dtype="<i8")
-        if not len(ids) == len(keys) == len(ends) == n or (n and ends[-1] != len(s["orders"])):
+        # Packed as they lie in the file: no Python object per row (`PackedText`).
+        cols = {}
+        for name in ("ids", "keys", "orders", "kr_keys"):
+            ends = np.frombuffer(s[name[:-1] + "_ends"], dtype="<i8")
+            if len(ends) and ends[-1] != len(s[name]):
+                raise Damaged(name)
+            cols[name] = (s[name], ends)
+        ids, keys = PackedText(*cols["ids"]), PackedText(*cols["keys"])
+        orders = PackedOrders(*cols["orders"])
+        by_id = np.frombuffer(s["by_id"], dtype="<i8")
+        starts = np.frombuffer(s["kr_starts"], dtype="<i8")
+        kr_rows = np.frombuffer(s["kr_rows"], dtype="<i8")
+        if not len(ids) == len(keys) == len(orders) == n \
+                or len(by_id) != int(np.count_nonzero(alive[:n])) \
+                or len(starts) != len(cols["kr_keys"][1]) + 1 or starts[-1] != len(kr_rows):
             raise Damaged("row count")
-        orders = PackedOrders(s["orders"], ends)
-        key_rows: dict[str, list[int]] = meta["key_rows"]
-        live = alive[:n]
-        row_of = dict(zip(ids, range(n), strict=True)) if live.all() else {
-            m: i for m, i, a in zip(ids, range(n), live.tolist(), strict=True) if a}
+        row_of = RowOf(ids, by_id)
+        key_rows = KeyRows(PackedOrders(*cols["kr_keys"]), starts, kr_rows)
+        meta = orjson.loads(s["meta"])
         groups: dict[tuple[str, str], Group] = {}
         gm = np.frombuffer(s["groups"], dtype="<f4")
         at = 0
@@ -396,13 +456,24 @@ def load(store: Store, tenant: str, prefix: str, model: str, dim: int
 
 def held_items(path: Path) -> tuple[dict[str, Any], list[str], set[str], set[str]]:
     """(header, long-term ids in row order, every memory id, task keys) a snapshot
-    file holds; raises `Damaged` (or a decoding error) when it cannot be read."""
+    file holds (either format); raises `Damaged` (or a decoding error) when it cannot
+    be read."""
     with path.open("rb") as f:
         h = _header(f, os.fstat(f.fileno()).st_size)
-        off, n = h["sections"]["meta"]
-        f.seek(off)
-        meta = orjson.loads(f.read(n))
-    ids: list[str] = meta["ids"]
+
+        def section(name: str) -> bytes:
+            off, n = h["sections"][name]
+            f.seek(off)
+            got: bytes = f.read(n)
+            if len(got) != n:
+                raise Damaged(name)
+            return got
+
+        meta = orjson.loads(section("meta"))
+        if h["v"] == VERSION:
+            ids = list(PackedText(section("ids"), np.frombuffer(section("id_ends"), "<i8")))
+        else:
+            ids = meta["ids"]
     mems = set(ids)
     for g in meta["groups"]:
         mems.update(g[2])
@@ -410,8 +481,8 @@ def held_items(path: Path) -> tuple[dict[str, Any], list[str], set[str], set[str
 
 
 def _scrub(path: Path, h: dict[str, Any], rows: Sequence[int]) -> None:
-    """Zero, in the file itself, the covered rows' vectors and the small matrices, and
-    fsync: the blocks the file frees hold no covered vector."""
+    """Zero, in the file itself, the covered rows' vectors and every section after the
+    matrix, and fsync: the blocks the file frees hold no covered vector."""
     dim, cap = int(h["dim"]), int(h["cap"])
     with path.open("r+b") as f:
         if rows and cap:
@@ -420,10 +491,10 @@ def _scrub(path: Path, h: dict[str, Any], rows: Sequence[int]) -> None:
             m[:, np.fromiter(rows, dtype=np.int64)] = 0.0
             m.flush()
             del m
-        for name in ("tasks", "groups", "meta"):
-            off, n = h["sections"][name]
-            f.seek(off)
-            f.write(b"\x00" * n)
+        for name, (off, n) in h["sections"].items():
+            if name != "columns":
+                f.seek(off)
+                f.write(b"\x00" * n)
         f.flush()
         os.fsync(f.fileno())
 

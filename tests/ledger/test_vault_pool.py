@@ -38,6 +38,7 @@ from tests.factories import src, write
 from tests.helpers import sealed_key_ids
 
 _REC_HEAD = 1 + 16 + 2  # tag, key id, length (ledger.vault._REC)
+_FILE_HEAD = 16  # magic, record width (u16, big-endian), zeros
 
 
 def at(minute: int) -> str:
@@ -46,15 +47,19 @@ def at(minute: int) -> str:
 
 
 def key_records(path: Path) -> dict[str, tuple[int, bytes]]:
-    """The `K` records of a key store file as they are on disk: id -> (end offset, tag)."""
+    """The records of a key store file as they are on disk, read by the layout
+    docs/forgetting.md gives (fixed-size records after a 16-byte head): id -> (end
+    offset, tag) of its last record."""
     data = path.read_bytes()
     assert data.startswith(FILE_MAGIC)
+    width = int.from_bytes(data[len(FILE_MAGIC):len(FILE_MAGIC) + 2], "big")
     out: dict[str, tuple[int, bytes]] = {}
-    i = len(FILE_MAGIC)
-    while i + _REC_HEAD <= len(data):
+    i = _FILE_HEAD
+    while i + _REC_HEAD + width <= len(data):
         tag, kid, n = data[i:i + 1], data[i + 1:i + 17].hex(), int.from_bytes(
             data[i + 17:i + 19], "big")
-        i += _REC_HEAD + n
+        assert n <= width and not any(data[i + _REC_HEAD + n:i + _REC_HEAD + width])
+        i += _REC_HEAD + width
         out[kid] = (i, tag)
     return out
 
