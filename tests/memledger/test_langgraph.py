@@ -185,6 +185,24 @@ async def test_concurrent_calls_share_projection_rounds(db_url: str) -> None:
         assert await store.alist_namespaces() == []
 
 
+async def _assert_poison_held_and_views_replayed(store: Any, tmp_path: Path,
+                                                 poison_at: int) -> None:
+    """Only the poison event is quarantined (for the vectors view alone) and every view
+    equals a fresh replay of the ledger."""
+    from ledger import schema as t
+    from tests.helpers import dump_views, fresh_replay
+
+    async with store.read() as conn:
+        held = (await conn.execute(t.quarantine.select())).all()
+    assert [(r.projection, r.position) for r in held] == [("vectors", poison_at)]
+    fresh = await fresh_replay(store, tmp_path)
+    try:
+        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
+        assert await dump_views(store, tables) == await dump_views(fresh, tables)
+    finally:
+        await fresh.close()
+
+
 @pytest.mark.parametrize("how", ["python", "database"])
 async def test_inline_writes_run_appends_and_rounds_off_the_async_driver(
         store: Any, tmp_path: Path, how: str) -> None:
@@ -198,7 +216,6 @@ async def test_inline_writes_run_appends_and_rounds_off_the_async_driver(
     from sqlalchemy import select
 
     from ledger import schema as t
-    from tests.helpers import dump_views, fresh_replay
     from tests.projections.test_quarantine import POISON, append, runner_with, story
 
     if store.dialect != "sqlite":
@@ -233,15 +250,7 @@ async def test_inline_writes_run_appends_and_rounds_off_the_async_driver(
         sa_event.remove(store.engine.sync_engine, "before_cursor_execute", counted)
     assert on_driver == 0
     assert runs == 2 * len(events[1:])  # an append and a round each
-    async with store.read() as conn:
-        held = (await conn.execute(t.quarantine.select())).all()
-    assert [(r.projection, r.position) for r in held] == [("vectors", at[POISON])]
-    fresh = await fresh_replay(store, tmp_path)
-    try:
-        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
-        assert await dump_views(store, tables) == await dump_views(fresh, tables)
-    finally:
-        await fresh.close()
+    await _assert_poison_held_and_views_replayed(store, tmp_path, at[POISON])
 
     async def fails(conn: Any) -> None:
         await conn.execute(t.meta.insert().values(name="inline-test", value="x"))
@@ -264,8 +273,6 @@ async def test_a_round_projects_every_view_in_one_transaction_as_steps_would(
     from scratch gives, and an event one view cannot apply is quarantined for that view
     alone (R17) while the others apply it. A projection at 0 (a possible bulk load)
     falls back to steps."""
-    from ledger import schema as t
-    from tests.helpers import dump_views, fresh_replay
     from tests.projections.test_quarantine import POISON, append, runner_with, story
 
     runner = runner_with(store, "vectors")
@@ -289,12 +296,4 @@ async def test_a_round_projects_every_view_in_one_transaction_as_steps_would(
         assert opened - before == 1, e["idempotency_key"]
     head = await store.head()
     assert set((await runner.positions()).values()) == {head}
-    async with store.read() as conn:
-        held = (await conn.execute(t.quarantine.select())).all()
-    assert [(r.projection, r.position) for r in held] == [("vectors", at[POISON])]
-    fresh = await fresh_replay(store, tmp_path)
-    try:
-        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
-        assert await dump_views(store, tables) == await dump_views(fresh, tables)
-    finally:
-        await fresh.close()
+    await _assert_poison_held_and_views_replayed(store, tmp_path, at[POISON])
