@@ -31,11 +31,16 @@ What a snapshot must never do (R20, docs/forgetting.md):
   used. Header and every section but the matrix are checksummed (blake2b); the
   file's size is checked; a damaged file is deleted and rewritten by the next load.
 
-Format: `MAGIC`, the header's length (u32), the header (JSON), its digest, then
-sections at offsets the header gives: `columns` (float32 `(dim, capacity)`, 4 KiB
-aligned, mapped), `alive`, `orders` + `order_ends`, `tasks`, `groups` (each group's
-`(dim, k)` matrix in turn) and `meta` (JSON: ids, keys, rows by normalised key, groups,
-task ids).
+Format (version 2): `MAGIC`, the header's length (u32), the header (JSON), its digest,
+then sections at offsets the header gives: `columns` (float32 `(dim, capacity)`, 4 KiB
+aligned, mapped), `alive`, then the packed columns, each a blob plus its end offsets
+(little-endian i8), so a restart maps them without a Python pass per row: `orders` +
+`order_ends`, `ids` + `id_ends`, `keys` + `key_ends`; `by_id` (live rows sorted by id,
+searched by bisection), `kr_keys` + `kr_key_ends`, `kr_starts`, `kr_rows` (rows by
+normalised key, sorted); then `tasks`, `groups` (each group's `(dim, k)` matrix in
+turn) and `meta` (JSON: what is small: groups, task ids). A version 1 file (ids, keys
+and rows by key in the JSON `meta`) is still read by `erase` and `holding`, so a forget
+and `replay verify --forgotten` reach it; a load deletes it and writes version 2.
 """
 
 from __future__ import annotations
