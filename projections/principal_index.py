@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -166,11 +167,13 @@ class _Packed(Sequence[T]):
         mv = self._mv
         return self._blob[mv[i - 1] if i else 0:mv[i]]
 
+    @abstractmethod
     def _item(self, i: int) -> T:
-        raise NotImplementedError
+        """Item `i` of the file's column, decoded (each subclass knows its encoding)."""
 
+    @abstractmethod
     def _encode(self, item: T) -> bytes:
-        raise NotImplementedError
+        """The bytes `item` takes in the file's column."""
 
     def __len__(self) -> int:
         return self._n0 + len(self._extra)
