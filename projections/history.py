@@ -81,23 +81,37 @@ async def marks_upto(conn: AsyncConnection, tenant: str, ids: Iterable[str], upt
     wanted = sorted(set(ids))
     if not wanted:
         return []
-    mk, ev = t.mem_marks.c, t.events.c
+    mk = t.mem_marks.c
     out: list[Mark] = []
     parts = [ids_sql] if ids_sql is not None and len(wanted) > MANY else chunks(wanted)
     for chunk in parts:
         q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
                                       mk.position <= min(upto, done))
-        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
+        out.extend(_mark_of_row(r) for r in (await conn.execute(q)).all())
     if upto > done:  # positions the view has not applied yet: from the ledger itself
-        q = select(*STORED_COLUMNS).where(
-            ev.position > done, ev.position <= upto, ev.tenant == tenant,
-            or_(ev.type.in_(MARK_TYPES),
-                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
-        keep = set(wanted)
-        for r in (await conn.execute(q)).all():
-            out.extend(m for m in marks_of(stored_from_row(r)) if m.target in keep)
+        keep = {(tenant, mid) for mid in wanted}
+        out += await _ledger_marks(conn, [tenant], done, upto, keep)
     return out
+
+
+def _mark_of_row(r: Any) -> Mark:
+    """A `mem_marks` row as a `Mark`."""
+    return Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
+                r.via_candidate, r.owner)
+
+
+async def _ledger_marks(conn: AsyncConnection, tenants: Sequence[str], done: int, upto: int,
+                        keep: set[tuple[str, str]]) -> list[Mark]:
+    """The marks set by the ledger's events after `done` up to `upto` (positions the
+    memories view has not applied yet) aimed at the (tenant, memory id)s of `keep`."""
+    ev = t.events.c
+    tenant = ev.tenant == tenants[0] if len(tenants) == 1 else ev.tenant.in_(tenants)
+    q = select(*STORED_COLUMNS).where(
+        ev.position > done, ev.position <= upto, tenant,
+        or_(ev.type.in_(MARK_TYPES),
+            and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
+    return [m for r in (await conn.execute(q)).all() for m in marks_of(stored_from_row(r))
+            if (m.tenant, m.target) in keep]
 
 
 #: More ids than this are matched by a subquery rather than sent as parameters.
@@ -349,23 +363,15 @@ async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: in
     wanted = sorted(set(ids))
     if not wanted:
         return []
-    mk, ev = t.mem_marks.c, t.events.c
+    mk = t.mem_marks.c
     out: list[Mark] = []
     for chunk in chunks(wanted):
         q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk),
                                       mk.position <= min(upto, done))
-        out.extend(Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
-                        r.via_candidate, r.owner) for r in (await conn.execute(q)).all())
+        out.extend(_mark_of_row(r) for r in (await conn.execute(q)).all())
     if upto > done:  # positions the view has not applied yet: from the ledger itself
-        keep = set(wanted)
-        q = select(*STORED_COLUMNS).where(
-            ev.position > done, ev.position <= upto,
-            ev.tenant.in_(sorted({tenant for tenant, _ in wanted})),
-            or_(ev.type.in_(MARK_TYPES),
-                and_(ev.type.in_(sorted(MEMORY_WRITES)), ev.supersedes.is_not(None))))
-        for r in (await conn.execute(q)).all():
-            out.extend(m for m in marks_of(stored_from_row(r))
-                       if (m.tenant, m.target) in keep)
+        tenants = sorted({tenant for tenant, _ in wanted})
+        out += await _ledger_marks(conn, tenants, done, upto, set(wanted))
     return out
 
 
