@@ -168,8 +168,8 @@ async def test_stale_snapshot_patched_forward(sqlite_url: str, register_path: st
         await store.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_meta", "flip_header",
-                                    "other_principal"])
+@pytest.mark.parametrize("damage", ["truncate", "flip_meta", "flip_header", "flip_ids",
+                                    "flip_kr_rows", "other_principal"])
 async def test_damaged_snapshot_ignored_and_rewritten(sqlite_url: str, register_path: str,
                                                       damage: str) -> None:
     store = Store(sqlite_url, register_path=register_path)
@@ -186,6 +186,8 @@ async def test_damaged_snapshot_ignored_and_rewritten(sqlite_url: str, register_
             data[h["sections"]["meta"][0] + 3] ^= 0x20
         elif damage == "flip_header":
             data[20] ^= 0x01
+        elif damage in ("flip_ids", "flip_kr_rows"):  # caught by the section's CRC-32
+            data[h["sections"][damage[5:]][0]] ^= 0x01
         if damage == "other_principal":  # u7's file under u8's name: never served to u8
             d = matrix_snapshot.directory(store.url)
             assert d is not None
