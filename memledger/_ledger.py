@@ -25,7 +25,7 @@ from ledger.store import Store
 from ledger.validation import parse_event
 from memledger import migrations
 from memledger.results import Memory, MemoryVersion, Recall, TaskSummary
-from projections import asof, reads
+from projections import asof, matrix_snapshot, reads
 from projections.recall import recall as run_recall
 from projections.runner import Runner
 from projections.vectors import store_embedder
@@ -87,6 +87,7 @@ class MemoryLedger:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        await matrix_snapshot.settled()  # recall's snapshot files still being written
         await self.store.close()
 
     @property

@@ -1,9 +1,12 @@
 """The principals' vector indexes, cached: loaded from the `vectors` view, patched with
-what changed since, bounded in bytes (`MEMLEDGER_RECALL_CACHE_MB`).
+what changed since, bounded in bytes (`MEMLEDGER_RECALL_CACHE_MB`); and their snapshot
+files written by the projection side after a bulk catch-up (`write_snapshots`), so the
+first recall after `memledger project` maps a file instead of loading the user.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -16,6 +19,7 @@ from sqlalchemy import BigInteger, Integer, String, and_, bindparam, cast, func,
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.events import ns_parts
 from ledger.store import Store
 from projections import matrix_snapshot, reads
 from projections.embedding import Embedder
@@ -29,6 +33,7 @@ from projections.vectors import (
     from_blobs,
     memory_ids_of_slots,
     slots_of,
+    store_embedder,
     touched,
 )
 
@@ -337,3 +342,130 @@ async def _load_index(conn: AsyncConnection, store: Store, who: reads.Principal,
         task_ids=[r[_ID][len(TASK_PREFIX):] for r in tasks],
         task_matrix=from_blobs([bytes(r[_VEC]) for r in tasks], dim),
         other_models=other)
+
+
+# -- snapshots written by the projection side ------------------------------------------
+
+#: Events of one principal in a catch-up from which its snapshot is written after it
+#: (`MEMLEDGER_RECALL_SNAPSHOT_MIN`): the recall's own rewrite threshold. Below it a
+#: principal's load from the database is short anyway (about 30 us a row on SQLite).
+SNAPSHOT_MIN_ENV: Final = "MEMLEDGER_RECALL_SNAPSHOT_MIN"
+
+
+def snapshot_min() -> int:
+    """Events of a principal in one catch-up that make it write the snapshot (>= 1)."""
+    return max(1, int(os.environ.get(SNAPSHOT_MIN_ENV, str(SNAPSHOT_BEHIND))))
+
+
+def _worth(start: int, end: int, min_events: int) -> bool:
+    """Can a catch-up over (start, end] call for a snapshot: as many events as one
+    principal needs, or enough to leave an existing file too far behind to patch?"""
+    return end - start >= min(min_events, REFRESH_MAX + 1)
+
+
+def _principal_counts() -> Any:
+    """(tenant, ns_path, events) of the events in a range of positions."""
+    e = t.events.c
+    return (select(e.tenant, e.ns_path, func.count())
+            .where(e.position > bindparam("start"), e.position <= bindparam("end"),
+                   e.ns_path.is_not(None))
+            .group_by(e.tenant, e.ns_path))
+
+
+async def snapshot_candidates(store: Store, start: int, end: int, min_events: int
+                              ) -> list[reads.Principal]:
+    """The principals whose snapshot a catch-up over (start, end] should write: those
+    with at least `min_events` events in it, and those whose file (a recall wrote it)
+    the range leaves too far behind to patch (`REFRESH_MAX`)."""
+    async with store.read_once() as conn:
+        rows = (await conn.execute(_principal_counts(), {"start": start, "end": end})).all()
+    counts: dict[tuple[str, str], int] = {}
+    for tenant, path, n in rows:
+        parts = ns_parts(path)
+        if len(parts) >= 2 and parts[0] == tenant:
+            counts[(tenant, parts[1])] = counts.get((tenant, parts[1]), 0) + int(n)
+    chosen = {k for k, n in counts.items() if n >= min_events}
+    if end - start > REFRESH_MAX:
+        for path in matrix_snapshot.all_files(matrix_snapshot.directory(store.url)):
+            h = matrix_snapshot.held_header(path)
+            if h is None or int(h["position"]) + REFRESH_MAX >= end:
+                continue
+            parts = ns_parts(h["prefix"])
+            if len(parts) == 2 and parts[0] == h["tenant"]:
+                chosen.add((parts[0], parts[1]))
+    return [reads.Principal(a, b) for a, b in sorted(chosen)]
+
+
+async def write_snapshot(store: Store, who: reads.Principal, emb: Embedder) -> bool:
+    """Load the principal's index from the view and write its snapshot (not cached:
+    a projector would otherwise hold every user's matrix). False when it was not
+    written (`matrix_snapshot.save`'s refusals: a rebuild or a forget since the load,
+    a newer file; or the index awaits vectors still pending)."""
+    gen = matrix_snapshot.generation(matrix_snapshot.directory(store.url))
+    async with store.read() as conn:
+        at = await read_positions(conn, who.tenant, store)
+        if at.pending is not None:
+            return False
+        idx = await _load_index(conn, store, who, emb, at.vectors, None)
+    idx.stamp = at.stamp
+    im = matrix_snapshot.image(who.tenant, who.prefix, idx)
+    del idx
+    path = await asyncio.get_running_loop().run_in_executor(
+        None, matrix_snapshot.save, store, im, gen)
+    return path is not None
+
+
+async def write_snapshots(store: Store, start: int, end: int, *,
+                          min_events: int | None = None) -> list[str]:
+    """Write the snapshots a catch-up over (start, end] calls for
+    (`snapshot_candidates`), one principal at a time, off any view transaction.
+    Nothing on a database without files beside it (PostgreSQL) or with snapshots off
+    (`MEMLEDGER_RECALL_SNAPSHOTS=0`). Returns the principals written (`TENANT/USER`)."""
+    if matrix_snapshot.directory(store.url) is None or not matrix_snapshot.enabled():
+        return []
+    need = snapshot_min() if min_events is None else min_events
+    if not _worth(start, end, need):
+        return []
+    emb = await store_embedder(store)
+    done: list[str] = []
+    for who in await snapshot_candidates(store, start, end, need):
+        if await write_snapshot(store, who, emb):
+            done.append(f"{who.tenant}/{who.user}")
+    if done:
+        log.info("recall_snapshots_written", principals=len(done), start=start, end=end)
+    return done
+
+
+#: Per store URL with a `snapshot_soon` task running: the range asked for since it
+#: started its pass (covered by its next pass).
+_NEXT: dict[str, tuple[int, int] | None] = {}
+
+
+def snapshot_soon(store: Store, start: int, end: int) -> None:
+    """`write_snapshots` for (start, end] in the background (a task `matrix_snapshot.
+    settled` waits for). One task per store: a range asked for while it runs is merged
+    into its next pass, so a worker's bulk catch-ups never stack up loads."""
+    if matrix_snapshot.directory(store.url) is None or not matrix_snapshot.enabled() \
+            or not _worth(start, end, snapshot_min()):
+        return
+    url = store.url
+    if url in _NEXT:
+        more = _NEXT[url]
+        _NEXT[url] = (start, end) if more is None else (min(more[0], start),
+                                                         max(more[1], end))
+        return
+    _NEXT[url] = None
+
+    async def passes(lo: int, hi: int) -> None:
+        try:
+            while True:
+                await write_snapshots(store, lo, hi)
+                more = _NEXT.get(url)
+                if more is None:
+                    return
+                _NEXT[url] = None
+                lo, hi = more
+        finally:
+            _NEXT.pop(url, None)
+
+    matrix_snapshot.track(asyncio.get_running_loop().create_task(passes(start, end)))

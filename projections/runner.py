@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import quarantine, rounds, shards
+from projections import index_cache, quarantine, rounds, shards
 from projections.bulk import restore_shape
 from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
@@ -439,7 +439,17 @@ class Runner:
                 if got == 0 or self._left.get(proj.name, -1) >= head:
                     break
             applied[proj.name] = n
+        self._snapshots_after(applied)
         return applied
+
+    def _snapshots_after(self, applied: dict[str, int]) -> None:
+        """After a catch-up that moved the `vectors` view far, write recall's snapshot
+        files it calls for, in the background (`index_cache.snapshot_soon`): the first
+        recall after `memledger project` then maps a file instead of loading the user."""
+        moved = applied.get("vectors", 0)
+        end = self._left.get("vectors")
+        if moved and end is not None:
+            index_cache.snapshot_soon(self.store, max(0, end - moved), end)
 
     async def round(self, upto: int | None = None) -> int:
         """Bring every projection to `upto` (default: the head read inside the round)

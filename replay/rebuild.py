@@ -34,7 +34,7 @@ from ledger.records import StoredEvent, now_iso, stored_from_row
 from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
-from projections import matrix_snapshot, quarantine, shards
+from projections import index_cache, matrix_snapshot, quarantine, shards
 from projections.bulk import restore_shape
 from projections.erasure import erase_payloads
 from projections.protocol import BulkLoadable, Projection
@@ -322,7 +322,13 @@ async def rebuild(store: Store, names: Sequence[str] | None = None, *, restart: 
     for name, q in held.items():
         if name in done:
             done[name]["quarantined"] = q["count"]
-    return {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}
+    out = {"head": head, "projections": done, "resumed": resumed, "reapplied": reapplied}
+    if "vectors" in done:
+        # The view was dropped with every snapshot: write those of the principals the
+        # rebuilt range calls for, so their first recall maps a file (SQLite files).
+        out["recall_snapshots"] = len(await index_cache.write_snapshots(
+            store, done["vectors"]["from"], head))
+    return out
 
 
 async def set_shards(store: Store, count: int, *, progress: ProgressCallback | None = None,

@@ -17,6 +17,7 @@ import structlog
 
 from ledger.errors import MemledgerError
 from ledger.store import Store
+from projections import matrix_snapshot
 from workers.broker import (
     DEFAULT_THREADS,
     INGEST_QUEUE,
@@ -181,6 +182,10 @@ class Runtime:
             await self.projector.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.wakes.close(), 5)
+        # Recall snapshots a bulk catch-up is writing (a few seconds at most): a file
+        # cut off here would only be a temporary file, but the write would be lost.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(matrix_snapshot.settled(), 30)
         await self.store.close()
 
 

@@ -39,6 +39,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 async def cmd_project(args: argparse.Namespace) -> int:
     """Run every projection in this process until caught up."""
+    from projections import matrix_snapshot
     from projections.runner import Runner
 
     store = open_store(args)
@@ -48,12 +49,14 @@ async def cmd_project(args: argparse.Namespace) -> int:
         out({"applied": applied, "positions": await runner.positions(),
              "head": await store.head()})
     finally:
+        await matrix_snapshot.settled()  # recall's snapshot files the catch-up writes
         await store.close()
     return 0
 
 
 async def cmd_sweep(args: argparse.Namespace) -> int:
     """Purge closed tasks past their retention, then project."""
+    from projections import matrix_snapshot
     from projections.retention import sweep_retention
     from projections.runner import Runner
 
@@ -63,6 +66,7 @@ async def cmd_sweep(args: argparse.Namespace) -> int:
         await Runner(store).catch_up()
         out({"purged": [{"tenant": a, "task_key": b} for a, b in purged]})
     finally:
+        await matrix_snapshot.settled()
         await store.close()
     return 0
 
