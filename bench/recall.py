@@ -11,9 +11,11 @@ Baseline: raw `sqlite3` + numpy doing the same filtered brute-force search per q
 (embed the query, select the principal's vectors by tenant and namespace range, one
 matrix product, top 5, fetch those rows' values), with no cache, as a script would.
 Targets: p99 < 30 ms for 100k memories of one user; the first recall of that user in a
-process that never loaded it p50 < 100 ms (issue 20): measured without a snapshot (the
-vectors read from the database) and after a restart with the snapshot present
-(`projections.matrix_snapshot`).
+process that never loaded it p50 < 100 ms (issue 20), measured three ways
+(`projections.matrix_snapshot`): after `project` (a new process; the snapshot the
+projection side wrote after its catch-up, `index_cache.write_snapshots`: the normal
+case), with no snapshot file at all (deleted, snapshots off: the vectors read from the
+database), and after a restart with the snapshot a recall wrote.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def memories(n: int, users: int, seed: int) -> list[Event]:
 
 
 async def build(path: Path, events: Sequence[Event]) -> tuple[Store, float]:
-    """Append the events, then project every view; returns the store and projection secs."""
+    """Append the events, then project every view; returns the store and projection
+    secs (the snapshot files the catch-up writes in the background not included: see
+    `snapshots_written`)."""
     store = Store(sqlite_url(path))
     await store.open()
     for i in range(0, len(events), 1000):
@@ -101,6 +105,28 @@ async def build(path: Path, events: Sequence[Event]) -> tuple[Store, float]:
     with Clock() as c:
         await Runner(store).catch_up()
     return store, c.seconds
+
+
+async def snapshots_written(store: Store) -> tuple[float, int]:
+    """Wait for the snapshots the projection's catch-up writes in the background:
+    (seconds waited, files present)."""
+    with Clock() as c:
+        await matrix_snapshot.settled()
+    return c.seconds, len(matrix_snapshot.all_files(matrix_snapshot.directory(store.url)))
+
+
+async def restarted_recalls(store: Store, path: Path, asks: Sequence[tuple[str, str]],
+                            repeat: int) -> tuple[Store, list[float]]:
+    """`repeat` times: a new Store and an empty cache, then the first recall of each
+    user. Returns the store now open and the latencies."""
+    out: list[float] = []
+    for _ in range(repeat):
+        await store.close()
+        store = Store(sqlite_url(path))
+        await store.open()
+        CACHE.clear()
+        out.extend(await pipeline_latencies(store, asks))
+    return store, out
 
 
 def snapshots_off() -> contextlib.AbstractContextManager[None]:
@@ -156,32 +182,29 @@ def raw_latencies(path: Path, emb: Embedder, asks: Sequence[tuple[str, str]]
 
 
 async def cold_recalls(store: Store, path: Path, asks: Sequence[tuple[str, str]], label: str
-                       ) -> tuple[Store, list[float], list[float], int]:
-    """First recalls of users no cache holds: without a snapshot (their vectors read from
-    the database, snapshots off so none is written meanwhile), then after a restart (a
-    new Store, an empty cache) with their snapshots present. One user: five samples of
-    each. Returns the store now open, both latency lists and the snapshots mapped."""
+                       ) -> tuple[Store, dict[str, list[float]], int]:
+    """First recalls of users no cache holds, after a restart each time: with the
+    snapshots `project` wrote, with no snapshot file at all (deleted, snapshots off, so
+    none is written meanwhile: their vectors read from the database), and with the
+    snapshots a recall wrote. One user: five samples of each. Returns the store now
+    open, the latency lists by case and the snapshots mapped in the first and last."""
     repeat = 5 if len(asks) == 1 else 1
+    mapped = CACHE.snapshot_loads
+    say(f"{label}: restart, first recall of {len(asks)} user(s) after project, "
+        f"{repeat} time(s)")
+    store, after_project = await restarted_recalls(store, path, asks, repeat)
     matrix_snapshot.drop_all(store.url)
     cold: list[float] = []
     with snapshots_off():
-        for _ in range(repeat):
-            CACHE.clear()
-            cold.extend(await pipeline_latencies(store, asks))
+        store, cold = await restarted_recalls(store, path, asks, repeat)
     CACHE.clear()
     await pipeline_latencies(store, asks)  # loads again, writes the snapshots
     await matrix_snapshot.settled()
-    say(f"{label}: restart (a new Store, an empty cache), first recall of {len(asks)} "
-        f"user(s) from their snapshot, {repeat} time(s)")
-    restarted: list[float] = []
-    mapped = CACHE.snapshot_loads
-    for _ in range(repeat):
-        await store.close()
-        store = Store(sqlite_url(path))
-        await store.open()
-        CACHE.clear()
-        restarted.extend(await pipeline_latencies(store, asks))
-    return store, cold, restarted, CACHE.snapshot_loads - mapped
+    say(f"{label}: restart, first recall of {len(asks)} user(s) from the snapshot a "
+        f"recall wrote, {repeat} time(s)")
+    store, restarted = await restarted_recalls(store, path, asks, repeat)
+    return store, {"after_project": after_project, "cold": cold, "restarted": restarted}, \
+        CACHE.snapshot_loads - mapped
 
 
 def _asks(rng: random.Random, n: int, users: int) -> list[tuple[str, str]]:
@@ -199,13 +222,14 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
         events = memories(n, users, seed=users)
     path = d / f"recall-{users}.db"
     store, project_secs = await build(path, events)
+    snap_secs, snap_files = await snapshots_written(store)
     out: list[dict[str, Any]] = []
     try:
         cold_users = sorted({f"u{i}" for i in range(min(users, 200))})
         cold_asks = [(u, "reply language") for u in cold_users]
-        say(f"{label}: first recall of {len(cold_users)} user(s), no snapshot (loads "
-            "their matrix from the database)")
-        store, cold, restarted, mapped = await cold_recalls(store, path, cold_asks, label)
+        store, firsts, mapped = await cold_recalls(store, path, cold_asks, label)
+        after_project, cold, restarted = (firsts["after_project"], firsts["cold"],
+                                          firsts["restarted"])
         loads = CACHE.loads
         if users > len(cold_users):  # warm the remaining users' matrices
             await pipeline_latencies(store, [(f"u{i}", "reply language")
@@ -243,18 +267,28 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
                       f"{percentile(warm_cpu, 50):.1f} ms, p99 "
                       f"{percentile(warm_cpu, 99):.1f} ms; load average "
                       f"{load:.1f} on {os.cpu_count()} CPUs"))
-    cold_target = (f"; target p50 < 100 ms: "
-                   f"{'met' if percentile(restarted, 50) < 100 else 'MISSED'}"
-                   if users == 1 else "")
-    out.append(result(f"first recall of a user, no snapshot, {users:,} user(s)",
+    def cold_target(samples: list[float]) -> str:
+        met = "met" if percentile(samples, 50) < 100 else "MISSED"
+        return f"; target p50 < 100 ms: {met}" if users == 1 else ""
+
+    out.append(result(f"first recall after project, {users:,} user(s)",
+                      percentile(after_project, 50), "ms", percentile(raw, 50), "ms",
+                      f"p50 over {len(after_project)} (max {max(after_project):.1f} ms); "
+                      f"a new Store and an empty cache; project wrote {snap_files} "
+                      f"snapshot(s) in the background in {snap_secs:.1f} s after its "
+                      f"catch-up of {project_secs:.1f} s{cold_target(after_project)}"))
+    out.append(result(f"first recall of a user, no snapshot file, {users:,} user(s)",
                       percentile(cold, 50), "ms", percentile(raw, 50), "ms",
-                      f"p50 over {len(cold)}; loads the principal's vectors from the "
-                      f"database (snapshots off); load average {load:.1f}"))
-    out.append(result(f"first recall after restart (snapshot present), {users:,} user(s)",
+                      f"p50 over {len(cold)}; files deleted, snapshots off: loads the "
+                      f"principal's vectors from the database; load average {load:.1f}"
+                      + ("; the case snapshots exist to avoid (the target is for the "
+                         "two beside it)" if users == 1 else "")))
+    out.append(result(f"first recall after restart (snapshot a recall wrote), "
+                      f"{users:,} user(s)",
                       percentile(restarted, 50), "ms", percentile(raw, 50), "ms",
                       f"p50 over {len(restarted)} (max {max(restarted):.1f} ms); a new "
-                      f"Store and an empty cache, {mapped} snapshot(s) mapped, "
-                      f"{reloads} loads after the restart in all{cold_target}"))
+                      f"Store and an empty cache, {mapped} snapshot(s) mapped in all, "
+                      f"{reloads} loads after the restarts{cold_target(restarted)}"))
     out.append(result(f"recall after the user's own write, {users:,} user(s)",
                       percentile(patched, 50), "ms", percentile(raw, 50), "ms",
                       f"p50 over 20; the cached matrix is patched, not reloaded "
