@@ -353,8 +353,12 @@ SNAPSHOT_MIN_ENV: Final = "MEMLEDGER_RECALL_SNAPSHOT_MIN"
 
 
 def snapshot_min() -> int:
-    """Events of a principal in one catch-up that make it write the snapshot (>= 1)."""
-    return max(1, int(os.environ.get(SNAPSHOT_MIN_ENV, str(SNAPSHOT_BEHIND))))
+    """Events of a principal in one catch-up that make it write the snapshot (>= 1;
+    the default when the variable is not a number: a typo must not stop a catch-up)."""
+    try:
+        return max(1, int(os.environ.get(SNAPSHOT_MIN_ENV, str(SNAPSHOT_BEHIND))))
+    except ValueError:
+        return SNAPSHOT_BEHIND
 
 
 def _worth(start: int, end: int, min_events: int) -> bool:
@@ -372,11 +376,13 @@ def _principal_counts() -> Any:
             .group_by(e.tenant, e.ns_path))
 
 
-async def snapshot_candidates(store: Store, start: int, end: int, min_events: int
-                              ) -> list[reads.Principal]:
+async def snapshot_candidates(store: Store, start: int, end: int, min_events: int,
+                              model: str) -> list[reads.Principal]:
     """The principals whose snapshot a catch-up over (start, end] should write: those
     with at least `min_events` events in it, and those whose file (a recall wrote it)
-    the range leaves too far behind to patch (`REFRESH_MAX`)."""
+    the range leaves too far behind to patch (`REFRESH_MAX`); never one whose file of
+    `model` is within `SNAPSHOT_BEHIND` of `end` (a recall patches that much itself,
+    the rule by which it rewrites a file)."""
     async with store.read_once() as conn:
         rows = (await conn.execute(_principal_counts(), {"start": start, "end": end})).all()
     counts: dict[tuple[str, str], int] = {}
@@ -393,7 +399,15 @@ async def snapshot_candidates(store: Store, start: int, end: int, min_events: in
             parts = ns_parts(h["prefix"])
             if len(parts) == 2 and parts[0] == h["tenant"]:
                 chosen.add((parts[0], parts[1]))
-    return [reads.Principal(a, b) for a, b in sorted(chosen)]
+    d = matrix_snapshot.directory(store.url)
+    out = []
+    for tenant, user in sorted(chosen):
+        who = reads.Principal(tenant, user)
+        held = None if d is None else matrix_snapshot.held_position(
+            matrix_snapshot.path_for(d, tenant, who.prefix, model))
+        if held is None or held < end - SNAPSHOT_BEHIND:
+            out.append(who)
+    return out
 
 
 async def write_snapshot(store: Store, who: reads.Principal, emb: Embedder) -> bool:
@@ -428,7 +442,7 @@ async def write_snapshots(store: Store, start: int, end: int, *,
         return []
     emb = await store_embedder(store)
     done: list[str] = []
-    for who in await snapshot_candidates(store, start, end, need):
+    for who in await snapshot_candidates(store, start, end, need, emb.name):
         if await write_snapshot(store, who, emb):
             done.append(f"{who.tenant}/{who.user}")
     if done:

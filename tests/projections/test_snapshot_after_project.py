@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 from sqlalchemy import select
 
 from ledger import schema as t
@@ -25,6 +27,8 @@ from projections.vectors import current_embedder
 from replay.rebuild import rebuild
 from tests.factories import event, src, write
 from tests.projections.test_index_cache_snapshot import (
+    _STEPS,
+    NS,
     U7,
     append,
     at,
@@ -98,8 +102,8 @@ async def test_small_catch_ups_and_snapshots_off_write_none(sqlite_url: str,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     """Below `MEMLEDGER_RECALL_SNAPSHOT_MIN` events of a principal (1,250 by default: a
-    worker's stream of small rounds) no file is written, and none at all with
-    `MEMLEDGER_RECALL_SNAPSHOTS=0`."""
+    worker's stream of small rounds) no file is written, none at all with
+    `MEMLEDGER_RECALL_SNAPSHOTS=0`, and a file still near the range's end is kept."""
     store = Store(sqlite_url, register_path=register_path)
     try:
         await seed(store)
@@ -114,6 +118,10 @@ async def test_small_catch_ups_and_snapshots_off_write_none(sqlite_url: str,
         monkeypatch.setenv(matrix_snapshot.ENV, "1")
         assert await write_snapshots(store, 0, await store.head()) == ["shop-a/u7",
                                                                       "shop-a/u8"]
+        # Files within SNAPSHOT_BEHIND positions of the range's end are kept, not
+        # rewritten (a recall patches that much itself).
+        assert await write_snapshots(store, 0, await store.head()) == []
+        matrix_snapshot.drop_all(store.url)
         assert await write_snapshots(store, 0, await store.head(), min_events=8) == []
     finally:
         await matrix_snapshot.settled()
@@ -272,3 +280,53 @@ async def test_a_version_2_file_is_reached_by_forgets_and_never_loaded(
     finally:
         await matrix_snapshot.settled()
         await store.close()
+
+
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=_STEPS)
+async def test_recall_from_project_snapshots_equals_a_load(tmp_path_factory: Any,
+                                                          steps: list[tuple[str, int]]
+                                                          ) -> None:
+    """For any sequence of writes, corrections and forgets, each projected by a
+    catch-up that writes the snapshots it calls for: a process starting from those files
+    answers exactly as one that loads from the database."""
+    d = tmp_path_factory.mktemp("snap")
+    store = Store(f"sqlite+aiosqlite:///{d / 'ledger.db'}", register_path=str(d / "f"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(index_cache.SNAPSHOT_MIN_ENV, "1")
+        try:
+            await seed(store)
+            mapped = CACHE.snapshot_loads
+            for i, (op, k) in enumerate(steps):
+                s = src(at=at(10 + i))
+                if op in ("write", "recall"):
+                    await append(store, write(f"k{k}", f"value {i}", source=s))
+                elif op == "correct":
+                    await append(store, write("code_language", f"lang {i}",
+                                              memory_id=f"C{i}", source=s))
+                elif op == "forget":
+                    await append(store, event("memory.forgotten", {"memory_id": "L1"},
+                                              source=s))
+                elif op == "forget_key":
+                    await append(store, event("memory.forgotten",
+                                              {"namespace": NS, "key": f"k{k}"}, source=s))
+                elif op == "session":
+                    await append(store, write("mood", f"m {i}", layer="session",
+                                              session_id="C18", source=s))
+                else:
+                    await append(store, write("note", f"n {i}", layer="task",
+                                              task_key="T900", source=s))
+                await matrix_snapshot.settled()
+                CACHE.clear()
+                from_files = await run(store)
+                mp.setenv(matrix_snapshot.ENV, "0")
+                CACHE.clear()
+                loaded = await run(store)
+                mp.setenv(matrix_snapshot.ENV, "1")
+                assert shown(from_files) == shown(loaded)
+            assert CACHE.snapshot_loads > mapped  # the files were used
+        finally:
+            await matrix_snapshot.settled()
+            await store.close()
+            CACHE.clear()
