@@ -330,3 +330,40 @@ async def test_recall_from_project_snapshots_equals_a_load(tmp_path_factory: Any
             await matrix_snapshot.settled()
             await store.close()
             CACHE.clear()
+
+
+async def test_memledger_project_leaves_the_snapshot(tmp_path: Path) -> None:
+    """`memledger append` then `memledger project` (two processes, as an operator runs
+    them): the command exits after writing the snapshot, and a process that never
+    loaded the user maps it on its first recall."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    import orjson
+
+    db = tmp_path / "l.db"
+    url = f"sqlite+aiosqlite:///{db}"
+    args = ["--db", url, "--forget-register", str(tmp_path / "l.forgets")]
+    env = {**os.environ, "MEMLEDGER_LOG_LEVEL": "WARNING",
+           index_cache.SNAPSHOT_MIN_ENV: "3"}
+    lines = b"".join(orjson.dumps(write(f"k{i}", f"value {i}", memory_id=f"K{i}",
+                                        source=src(at=at(i), seq=i))) + b"\n"
+                     for i in range(5))
+    for cmd, stdin in ((["append", "-"], lines), (["project"], None)):
+        proc = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "memledger", *args, *cmd], input=stdin,
+            capture_output=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+    store = Store(url, register_path=str(tmp_path / "l.forgets"))
+    try:
+        [path] = snapshot_files(store)
+        assert {f"K{i}" for i in range(5)} <= matrix_snapshot.held_items(path)[2]
+        CACHE.clear()
+        loads, mapped = CACHE.loads, CACHE.snapshot_loads
+        await run(store, "value")
+        assert (CACHE.loads - loads, CACHE.snapshot_loads - mapped) == (0, 1)
+    finally:
+        await store.close()
+        CACHE.clear()
