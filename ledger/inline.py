@@ -23,6 +23,13 @@ turn when the store takes write turns, so the transaction is like any other: all
 it commits or none. Its writes queue on the one thread, so a process's own appends and
 rounds never meet at SQLite's lock. PostgreSQL, in-memory databases and `file:` URIs
 keep the async path (`InlineWrites.of` returns None for them).
+
+Who turns it on (`Store.use_inline`): the SDK's `MemoryLedger` (unless
+`inline_writes=False`; so the CLI's principal-scoped commands and `memledger serve`
+too) and the LangGraph store. The worker daemons and the CLI's other commands use a
+plain `Store` and keep the async path. A WAL checkpoint that SQLite runs at one of
+these commits holds up the transactions queued behind it on the thread (docs/sdk.md,
+"Write transactions").
 """
 
 from __future__ import annotations
