@@ -11,8 +11,11 @@ one hand-off"), so the hand-offs were most of its time.
 on a plain `sqlite3` connection that thread owns (SQLAlchemy's synchronous pysqlite
 dialect, the recorder's pragmas, `BEGIN IMMEDIATE`, the ledger's vault attached): one
 hand-off for the transaction. `body` is the same async code the async path runs (the
-appender, the projections' `apply`); it gets a `SyncBacked` connection whose
-awaitables complete at once, and runs to its end on the thread's own event loop.
+appender, the projections' `apply`, the recall audit's inserts); it gets a `SyncBacked`
+connection whose awaitables complete at once, and runs to its end on the thread's own
+event loop. Callers do not choose between the two paths themselves:
+`Store.transaction(body, views=...)` runs `body` here when the store's inline writes
+are on (`Store.use_inline`) and through `Store.write` / `Store.view_write` otherwise.
 
 It takes the same SQLite write lock as `Store.write` and `Store.view_write` (BEGIN
 IMMEDIATE on the same file, waited for in this thread under the same busy timeout), in
@@ -20,6 +23,13 @@ turn when the store takes write turns, so the transaction is like any other: all
 it commits or none. Its writes queue on the one thread, so a process's own appends and
 rounds never meet at SQLite's lock. PostgreSQL, in-memory databases and `file:` URIs
 keep the async path (`InlineWrites.of` returns None for them).
+
+Who turns it on (`Store.use_inline`): the SDK's `MemoryLedger` (unless
+`inline_writes=False`; so the CLI's principal-scoped commands and `memledger serve`
+too) and the LangGraph store. The worker daemons and the CLI's other commands use a
+plain `Store` and keep the async path. A WAL checkpoint that SQLite runs at one of
+these commits holds up the transactions queued behind it on the thread (docs/sdk.md,
+"Write transactions").
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import structlog
 from sqlalchemy import inspect, select
@@ -41,6 +41,8 @@ log = structlog.get_logger("memledger.ledger")
 DEFAULT_URL: Final = "sqlite+aiosqlite:///./memledger.db"
 #: The ledger tables an append makes grow (`Recorder.note_growth`).
 GROWING_TABLES: Final = ("events",)
+
+T = TypeVar("T")
 
 
 class Store:
@@ -80,9 +82,10 @@ class Store:
         self._listeners: list[Callable[[int], Any]] = []
         self._opened = False
         self._open_lock: asyncio.Lock | None = None
-        #: Appends (and `projections.runner.Runner.round`'s view transaction) in one
-        #: hand-off to a thread of their own (`ledger.inline`); None: through the async
-        #: driver, statement by statement. `use_inline` turns it on.
+        #: The write transactions of `transaction` (appends, `Runner.round`'s view
+        #: transaction, the recall audit) in one hand-off to a thread of their own
+        #: (`ledger.inline`); None: through the async driver, statement by statement.
+        #: `use_inline` turns it on.
         self.inline: InlineWrites | None = None
 
     def use_inline(self) -> bool:
@@ -110,6 +113,29 @@ class Store:
     def view_write(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A transaction for view updates: SQLite takes its write lock up front."""
         return self.recorder.view_write()
+
+    async def transaction(self, body: Callable[[AsyncConnection], Awaitable[T]], *,
+                          views: bool) -> T:
+        """Run `body(conn)` in one write transaction and return what it returns: all
+        of its writes commit when it returns, none when it raises (the error is raised
+        here, as the transaction's context manager raises it).
+
+        With inline writes on (`use_inline`, SQLite files) the whole transaction runs on
+        the inline thread in one hand-off (`ledger.inline`): `BEGIN IMMEDIATE` on the
+        one write lock, in turn when the store takes write turns, whatever `views`
+        says (on SQLite a ledger write and a view write take the same lock). `body`
+        then gets a `SyncBacked` connection and runs on that thread's own event loop,
+        so it may await the connection and nothing else of the caller's loop (no
+        other I/O, no lock or future of the caller's).
+
+        Otherwise through the async driver: `views=False` is `write()` (the ledger's
+        write lock: the append path), `views=True` is `view_write()` (the
+        projections, the recall audit)."""
+        if self.inline is not None:
+            return await self.inline.run(body)
+        tx = self.view_write() if views else self.write()
+        async with tx as conn:
+            return await body(conn)
 
     async def open(self) -> Store:
         """Create the schema of a new database (at the head revision) or check that an
@@ -230,12 +256,8 @@ class Store:
         outcomes: list[list[AppendResult] | BaseException] = []
         head = 0
         try:
-            if self.inline is not None:
-                head, outcomes = await self.inline.run(
-                    lambda conn: Appender(self, conn).run(group))
-            else:
-                async with self.write() as conn:
-                    head, outcomes = await Appender(self, conn).run(group)
+            head, outcomes = await self.transaction(
+                lambda conn: Appender(self, conn).run(group), views=False)
         except BaseException as e:
             err = e if isinstance(e, MemledgerError) else StoreUnavailable(
                 f"append failed: {short_error(e)}")

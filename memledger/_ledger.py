@@ -54,12 +54,22 @@ class MemoryLedger:
     """
 
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
-                 broker: str | None = None, migrate: bool = False) -> None:
+                 broker: str | None = None, migrate: bool = False,
+                 inline_writes: bool = True) -> None:
         """`migrate=True` upgrades a database whose schema is behind when the ledger
         opens (`memledger db upgrade`); without it such a database is refused with
         the command to run. Meant for the embedded default, where the app is the only
-        user of its file; a shared server is upgraded by its operator."""
+        user of its file; a shared server is upgraded by its operator.
+
+        `inline_writes` (on by default): on a SQLite file, write transactions (the
+        append group, the projection round of a `wait=True` write, the recall audit)
+        each run in one hand-off to a thread of their own (`ledger.inline`,
+        `Store.use_inline`) instead of four thread hand-offs per statement through
+        the async driver; docs/sdk.md, "Write transactions". No effect on PostgreSQL
+        or an in-memory database."""
         self.store = Store(url, register_path=register_path)
+        if inline_writes:
+            self.store.use_inline()
         self._migrate = migrate
         self.runner = Runner(self.store)
         self._broker_url = broker
@@ -118,14 +128,16 @@ class MemoryLedger:
         `wait=True` the call returns once the events are durable and every view shows
         them: confirm "I'll remember that" to the user only then (R16).
         """
+        # `Runner.round`: every view moved in one view transaction (one hand-off with
+        # inline writes) where they are within a batch of the events, else step by step.
         if isinstance(events, Event | Mapping):
             one = await self.store.append_one(as_event(events))
             if wait:
-                await self.runner.catch_up(upto=max(one.position, 0))
+                await self.runner.round(upto=max(one.position, 0))
             return one
         many = await self.store.append([as_event(e) for e in events])
         if wait and many:
-            await self.runner.catch_up(upto=max(r.position for r in many))
+            await self.runner.round(upto=max(r.position for r in many))
         return many
 
     async def submit(self, event: Event, *, wait: bool) -> AppendResult | PublishResult:

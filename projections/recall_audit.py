@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.store import Store
@@ -35,16 +36,21 @@ async def write_audit(store: Store, who: reads.Principal, query: str | None,
                    "reason": x["reason"], "ambiguous": x["ambiguous"]} for x in tasks)
     at = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=now_us)).isoformat(
         timespec="microseconds")
-    # Plain rows through `insert_rows` (on SQLite: the driver's executemany, no
-    # statement compiled per call); one short write transaction.
-    async with store.view_write() as conn:
-        await insert_rows(store, conn, t.recall_audit, [{
-            "audit_id": audit_id, "at": at, "tenant": who.tenant,
-            "principal": f"{who.tenant}/{who.user}",
-            "query_digest": hashlib.sha256(query.encode()).hexdigest() if query else None,
-            "items": orjson.dumps(record)}])
-        await insert_rows(store, conn, t.recall_audit_items, [
-            {"audit_id": audit_id, "tenant": who.tenant, "memory_id": i["memory_id"]}
-            for i in items])
+    row = {"audit_id": audit_id, "at": at, "tenant": who.tenant,
+           "principal": f"{who.tenant}/{who.user}",
+           "query_digest": hashlib.sha256(query.encode()).hexdigest() if query else None,
+           "items": orjson.dumps(record)}
+    item_rows = [{"audit_id": audit_id, "tenant": who.tenant, "memory_id": i["memory_id"]}
+                 for i in items]
+
+    async def body(conn: AsyncConnection) -> None:
+        # Plain rows through `insert_rows` (on SQLite: the driver's executemany, no
+        # statement compiled per call).
+        await insert_rows(store, conn, t.recall_audit, [row])
+        await insert_rows(store, conn, t.recall_audit_items, item_rows)
+
+    # One short view transaction, committed before the caller gets the result (R25);
+    # with inline writes on (`Store.use_inline`), in one hand-off to the inline thread.
+    await store.transaction(body, views=True)
     return audit_id
 

@@ -479,13 +479,9 @@ class Runner:
             if prepare is not None:
                 await prepare(self.store, self.batch_size, self.owned)
         with no_gc_pauses():
-            if self.store.inline is not None:
-                # one hand-off for the whole transaction (`ledger.inline`)
-                fused, end, at, done = await self.store.inline.run(
-                    lambda conn: self._round_in(conn, upto))
-            else:
-                async with self.store.view_write() as conn:
-                    fused, end, at, done = await self._round_in(conn, upto)
+            # inline: one hand-off for the whole transaction (`Store.transaction`)
+            fused, end, at, done = await self.store.transaction(
+                lambda conn: self._round_in(conn, upto), views=True)
         if not fused:
             await self.catch_up(end)
             return end

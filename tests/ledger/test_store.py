@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
 from ledger import schema as t
@@ -191,3 +194,53 @@ async def test_two_stores_share_one_database(db_url: str, register_path: str) ->
     finally:
         await a.close()
         await b.close()
+
+
+_BODIES = st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(0, 3)),
+                   min_size=1, max_size=6)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["async", "inline"])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bodies=_BODIES)
+async def test_transaction_commits_all_of_a_body_or_nothing(
+        store: Store, inline: bool, bodies: list[tuple[bool, bool, int]]) -> None:
+    """`Store.transaction` (the append group, the projection round and the recall audit
+    run through it), on the async driver and on the inline thread, as a ledger write
+    and as a view write: for any sequence of bodies, each writing some rows and then
+    returning or raising, exactly the rows of the bodies that returned are there, each
+    body's value is returned and each body's error raised as it was (R14's
+    commit-or-nothing). PostgreSQL has no inline path: `use_inline` is off there."""
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from ledger.inline import SyncBacked
+
+    if inline and not store.use_inline():
+        assert store.dialect != "sqlite" and store.inline is None
+        return
+    assert (store.inline is not None) is inline
+    run = uuid.uuid4().hex
+    expected: set[str] = set()
+    for i, (views, fails, n) in enumerate(bodies):
+        names = [f"tx:{run}:{i}:{k}" for k in range(n)]
+
+        async def body(conn: AsyncConnection, names: list[str] = names,
+                       fails: bool = fails) -> int:
+            assert isinstance(conn, SyncBacked) is inline
+            for name in names:
+                await conn.execute(t.meta.insert().values(name=name, value="x"))
+            if fails:
+                raise LookupError(f"body {names}")
+            return len(names)
+
+        if fails:
+            with pytest.raises(LookupError, match="body"):
+                await store.transaction(body, views=views)
+        else:
+            assert await store.transaction(body, views=views) == n
+            expected.update(names)
+    async with store.read() as conn:
+        got = {str(r[0]) for r in (await conn.execute(select(t.meta.c.name).where(
+            t.meta.c.name.startswith(f"tx:{run}:")))).all()}
+    assert got == expected

@@ -284,3 +284,56 @@ async def test_sdk_sets_and_reads_the_embedder(db_url: str, register_path: str,
         later = await ml.set_embedder("hashgram", rebuild=False)
         assert (later.name, later.recorded, later.index_current) == (
             "hashgram-v2-512", "hashgram-v2-512", False)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["default", "inline_writes=False"])
+async def test_sdk_writes_in_one_hand_off_and_audits_before_returning(
+        db_url: str, register_path: str, tmp_path: Any, inline: bool) -> None:
+    """`MemoryLedger` on a SQLite file runs its write transactions on the inline thread
+    by default (`ledger.inline`): a `wait=True` remember (the append and the round) and
+    a recall's audit run no statement on the async engine, the audit row is committed
+    when `recall` returns (R25), and the views equal a fresh replay's (R14); with
+    `inline_writes=False`, and on PostgreSQL, the same calls go through the async
+    driver with the same results."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy import select
+
+    from ledger import schema as t
+    from tests.helpers import dump_views, fresh_replay
+
+    async with memledger.MemoryLedger(db_url, register_path=register_path,
+                                      inline_writes=inline) as ml:
+        store = ml.store
+        assert (store.inline is not None) == (inline and store.dialect == "sqlite")
+        u7 = ml.principal("shop-a", "u7")
+        await u7.remember(["preferences"], "reply_language", "Simplified Chinese",
+                          source=Source.user_request("C17", seq=1, at=AT))
+        on_driver: list[str] = []
+
+        def counted(_c: Any, _cur: Any, statement: str, *_a: Any) -> None:
+            on_driver.append(statement)
+
+        sa_event.listen(store.engine.sync_engine, "before_cursor_execute", counted)
+        try:
+            await u7.remember(["preferences"], "code_language", "Python",
+                              source=Source.user_request("C17", seq=2, at=AT))
+            await u7.correct(["preferences"], "reply_language", "English",
+                             supersedes=(await u7.get(["preferences"], "reply_language"))
+                             .memory_id, source=Source.user_request("C17", seq=3, at=AT))
+            ctx = await u7.recall("which language do I want replies in?")
+        finally:
+            sa_event.remove(store.engine.sync_engine, "before_cursor_execute", counted)
+        writes = [s for s in on_driver if s.lstrip().upper().startswith(
+            ("INSERT", "UPDATE", "DELETE"))]
+        assert (writes == []) == (store.inline is not None)
+        assert [i.memory.value for i in ctx.items][:1] == ["English"]
+        async with store.read() as conn:
+            audited = (await conn.execute(select(t.recall_audit_items.c.memory_id).where(
+                t.recall_audit_items.c.audit_id == ctx.audit_id))).all()
+        assert sorted(r[0] for r in audited) == sorted(i.memory.memory_id for i in ctx.items)
+        fresh = await fresh_replay(store, tmp_path)
+        try:
+            tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
+            assert await dump_views(store, tables) == await dump_views(fresh, tables)
+        finally:
+            await fresh.close()
