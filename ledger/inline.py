@@ -27,9 +27,16 @@ keep the async path (`InlineWrites.of` returns None for them).
 Who turns it on (`Store.use_inline`): the SDK's `MemoryLedger` (unless
 `inline_writes=False`; so the CLI's principal-scoped commands and `memledger serve`
 too) and the LangGraph store. The worker daemons and the CLI's other commands use a
-plain `Store` and keep the async path. A WAL checkpoint that SQLite runs at one of
-these commits holds up the transactions queued behind it on the thread (docs/sdk.md,
-"Write transactions").
+plain `Store` and keep the async path.
+
+WAL checkpoints do not run on the thread: SQLite's automatic checkpoint (at a commit,
+about every 1,000 pages) would hold up every transaction queued behind that commit
+(measured: one checkpoint at load 4-5 held six audits behind it for over a second).
+The thread's connection has `wal_autocheckpoint=0`, and after a commit a PASSIVE
+checkpoint is asked of a second thread with a connection of its own, at most one at a
+time and one per `CHECKPOINT_EVERY_S`: it copies what the WAL holds into the database
+while writers go on (a PASSIVE checkpoint takes no write lock), as the automatic one
+would have, only not in the writers' way.
 """
 
 from __future__ import annotations
@@ -37,10 +44,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 from sqlalchemy import create_engine
 from sqlalchemy import event as sa_event
@@ -54,6 +63,9 @@ from ledger.recorder import Turn, raise_translated
 from ledger.vault import Vault, attach
 
 T = TypeVar("T")
+
+#: At most one background WAL checkpoint per this many seconds (module doc).
+CHECKPOINT_EVERY_S: Final = 1.0
 
 
 class SyncBacked:
@@ -112,6 +124,8 @@ def _engine(path: str, vault: Any) -> Engine:
         dbapi_conn.isolation_level = None  # we choose the BEGIN (as the recorder does)
         for pragma in PRAGMAS:
             dbapi_conn.execute(f"PRAGMA {pragma}")
+        # checkpoints run on the checkpointer's thread, never at this thread's commits
+        dbapi_conn.execute("PRAGMA wal_autocheckpoint=0")
 
     @sa_event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
@@ -136,6 +150,7 @@ class InlineWrites:
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._checkpoints = Checkpointer(path)
 
     @classmethod
     def of(cls, url: str, vault: Vault | None, turn: Turn | None) -> InlineWrites | None:
@@ -149,6 +164,7 @@ class InlineWrites:
         a `SyncBacked` connection (typed as the `AsyncConnection` it stands for)."""
         if self._pid != os.getpid():  # a forked child never uses its parent's thread
             self._pool, self._engine, self._conn, self._loop = None, None, None, None
+            self._checkpoints = Checkpointer(self.path)
             self._pid = os.getpid()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="memledger-views")
@@ -172,7 +188,9 @@ class InlineWrites:
             conn = self._conn
             try:
                 with conn.begin():
-                    return self._loop.run_until_complete(_call(body, SyncBacked(conn)))
+                    out = self._loop.run_until_complete(_call(body, SyncBacked(conn)))
+                self._checkpoints.soon()
+                return out
             finally:
                 if conn.invalidated or conn.closed:
                     self._drop()
@@ -201,6 +219,74 @@ class InlineWrites:
         if pool is None or self._pid != os.getpid():
             return
         await asyncio.get_running_loop().run_in_executor(pool, self._close_here)
+        pool.shutdown(wait=False)
+        await self._checkpoints.close()
+
+
+class Checkpointer:
+    """PASSIVE WAL checkpoints of one SQLite file on a thread of its own (module doc):
+    `soon()` asks for one unless one is running or the last began less than
+    `CHECKPOINT_EVERY_S` ago."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pool: ThreadPoolExecutor | None = None
+        self._db: sqlite3.Connection | None = None
+        self._busy = threading.Lock()
+        self._last = 0.0
+        self._again = False
+        #: checkpoints run (what the tests read)
+        self.runs = 0
+
+    def soon(self) -> None:
+        """Called after a commit, on the writing thread; never waits. A request while
+        a checkpoint runs makes that one run again when it ends (the commit's pages
+        may have come after its copy)."""
+        now = time.monotonic()
+        if now - self._last < CHECKPOINT_EVERY_S:
+            return
+        self._last = now
+        if not self._busy.acquire(blocking=False):
+            self._again = True
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memledger-checkpoint")
+        try:
+            self._pool.submit(self._run)
+        except RuntimeError:  # shut down meanwhile
+            self._busy.release()
+
+    def _run(self) -> None:
+        try:
+            again = True
+            while again:
+                self._again = False
+                if self._db is None:
+                    self._db = sqlite3.connect(self.path, isolation_level=None,
+                                               check_same_thread=False)
+                    self._db.execute("PRAGMA busy_timeout=30000")
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self.runs += 1
+                again = self._again
+        except sqlite3.Error:
+            # a checkpoint that cannot run now runs at a later commit (or at another
+            # connection's automatic one): nothing is lost, the WAL only waits longer
+            self._close_db()
+        finally:
+            self._busy.release()
+
+    def _close_db(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+
+    async def close(self) -> None:
+        """Let a running checkpoint finish, then close its connection and thread."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(pool, self._close_db)
         pool.shutdown(wait=False)
 
 

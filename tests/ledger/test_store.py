@@ -244,3 +244,47 @@ async def test_transaction_commits_all_of_a_body_or_nothing(
         got = {str(r[0]) for r in (await conn.execute(select(t.meta.c.name).where(
             t.meta.c.name.startswith(f"tx:{run}:")))).all()}
     assert got == expected
+
+
+def _header_pages(path: str) -> int:
+    """The database size in pages that the file's own header records (bytes 28-31):
+    what a checkpoint has copied out of the WAL, not what the WAL still holds."""
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(100)[28:32], "big")
+
+
+async def test_inline_commits_leave_checkpoints_to_the_checkpointer(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the inline thread SQLite's automatic checkpoint is off (it would hold up the
+    transactions queued behind the commit that runs it); the WAL still reaches the
+    database file, by PASSIVE checkpoints on a thread of their own (`ledger.inline`)."""
+    import sqlite3
+
+    from ledger import inline as inline_mod
+    from ledger.backends.sqlite import file_path
+
+    if not store.use_inline():
+        assert store.dialect != "sqlite"
+        return
+    monkeypatch.setattr(inline_mod, "CHECKPOINT_EVERY_S", 0.0)
+    assert store.inline is not None
+    for i in range(40):
+        await store.append([parse_event(write(f"m{i}-{k}", k, text="x" * 2000))
+                            for k in range(20)])
+
+    async def autocheckpoint(conn: Any) -> int:
+        return int((await conn.exec_driver_sql("PRAGMA wal_autocheckpoint")).scalar())
+
+    assert await store.inline.run(autocheckpoint) == 0
+    checkpoints = store.inline._checkpoints
+    await checkpoints.close()  # lets a running checkpoint finish
+    assert checkpoints.runs >= 1
+    path = file_path(store.url)
+    assert path is not None
+    db = sqlite3.connect(path)
+    try:
+        pages = int(db.execute("PRAGMA page_count").fetchone()[0])
+    finally:
+        db.close()
+    # the checkpoints after the last commits copied every page into the file
+    assert _header_pages(path) == pages > 100
