@@ -30,6 +30,7 @@ as-of recall scores without embedding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -389,6 +390,14 @@ async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: in
     return out
 
 
+def _vectors_of(table: Any, ident: Any, extra: Sequence[Any]) -> Any:
+    """SELECT (tenant, id, vector) of `table` for the tenant `:tenant`, the ids `:ids`
+    and the model `:model` (`_embed`'s one-tenant statement)."""
+    return select(table.c.tenant, ident, table.c.vector).where(
+        table.c.tenant == bindparam("tenant"), ident.in_(bindparam("ids", expanding=True)),
+        table.c.model == bindparam("model"), *extra)
+
+
 async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
                  ) -> None:
     """Give active, unredacted new rows their text's embedding, computed only when no
@@ -409,12 +418,8 @@ async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, A
         for chunk in chunks([k for k in pairs if k not in known]):
             alone = one_tenant(chunk)
             if alone is not None:  # one tenant: a statement built once per table
-                q = prepared(("history.vectors_of", table.name), lambda table=table,
-                             ident=ident, extra=extra: select(
-                    table.c.tenant, ident, table.c.vector).where(
-                    table.c.tenant == bindparam("tenant"),
-                    ident.in_(bindparam("ids", expanding=True)),
-                    table.c.model == bindparam("model"), *extra))
+                q = prepared(("history.vectors_of", table.name), functools.partial(
+                    _vectors_of, table, ident, extra))
                 got: Iterable[Any] = (await conn.execute(q, {
                     "tenant": alone[0], "ids": alone[1], "model": emb.name})).all()
             else:

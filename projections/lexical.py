@@ -41,7 +41,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, bindparam, case, delete, or_, select
+from sqlalchemy import and_, bindparam, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -66,6 +66,7 @@ from projections.sql import (
 from projections.vectors import (
     apply_settling,
     memory_text,
+    slot_rows,
     slots_of,
     touched,
 )
@@ -195,11 +196,10 @@ class LexicalProjection:
         # (`keep`) which of them are indexed.
         every: set[tuple[str, str]] = set(touch.mem_ids)
         wanted: list[Any] = []
-        for chunk in chunks(sorted(slots)):
-            for r in (await conn.execute(_slot_rows(), {"slots": chunk})).all():
-                every.add((r.tenant, r.memory_id))
-                if r[-1]:
-                    wanted.append(r)
+        for r in await slot_rows(conn, slots):
+            every.add((r.tenant, r.memory_id))
+            if r.indexed:
+                wanted.append(r)
         # Only what changed is written: an entry the index holds already, the same, stays
         # (a full-text delete and insert of it would cost as much as a new entry).
         new = {(d["tenant"], d["item_id"]): d for d in doc_rows(wanted)}
@@ -218,18 +218,6 @@ class LexicalProjection:
         await lexical_insert(store, conn, list(new.values()))
         if tombs:
             await lexical_merge(store, conn)
-
-
-def _slot_rows() -> Any:
-    """Every `mem_versions` row of the slots `:slots` with the index's columns and, last,
-    1 where the index holds it (active, not forgotten), else 0 (built once)."""
-    mv = t.mem_versions.c
-
-    def build() -> Any:
-        keep = and_(mv.status == "active", not_forgotten())
-        return select(*[mv[c] for c in _MEM_COLUMNS], case((keep, 1), else_=0)).where(
-            mv.slot.in_(bindparam("slots", expanding=True)))
-    return prepared("lexical.slot_rows", build)
 
 
 #: Every column of `lexical_docs`, as `doc_rows` gives them.

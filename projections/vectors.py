@@ -27,6 +27,7 @@ kept by content digest (`projections.embed_cache`); the transaction only reads t
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 import orjson
 import structlog
 from numpy.typing import NDArray
-from sqlalchemy import and_, bindparam, delete, or_, select, update
+from sqlalchemy import and_, bindparam, case, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -141,9 +142,8 @@ async def stored_model(conn: AsyncConnection, family: str | None = None) -> str 
     for table in (t.vectors, t.mem_history):
         model = table.c.model
         if family is None:  # what every round asks: the statement built once
-            q = prepared(("vectors.stored_model", table.name), lambda table=table: select(
-                table.c.model).where(table.c.model.is_not(None)).order_by(
-                *table.primary_key.columns).limit(1))
+            q = prepared(("vectors.stored_model", table.name), functools.partial(
+                _first_model, table))
         else:
             q = select(model).where(model.is_not(None),
                                     model.startswith(family + "-", autoescape=True)
@@ -152,6 +152,12 @@ async def stored_model(conn: AsyncConnection, family: str | None = None) -> str 
         if row is not None:
             return str(row[0])
     return None
+
+
+def _first_model(table: Any) -> Any:
+    """SELECT the first non-null `model` of `table` in primary-key order."""
+    return select(table.c.model).where(table.c.model.is_not(None)).order_by(
+        *table.primary_key.columns).limit(1)
 
 
 def _known(name: str) -> bool:
@@ -429,12 +435,36 @@ def _ids_of_slots() -> Any:
         mv.slot.in_(bindparam("slots", expanding=True))))
 
 
-def _active_rows_of_slots() -> Any:
-    """The index's rows of the slots `:slots`: active and not forgotten (built once)."""
+def _slot_rows_query() -> Any:
+    """Every `mem_versions` row of the slots `:slots` with the indexes' columns
+    (`_MEMORY_COLUMNS`) and, last, `indexed`: 1 where an index holds it (active, not
+    forgotten), else 0 (built once)."""
     mv = t.mem_versions.c
-    return prepared("vectors.active_rows_of_slots", lambda: _memory_rows_query().where(
-        mv.slot.in_(bindparam("slots", expanding=True)), mv.status == "active",
-        not_forgotten()))
+
+    def build() -> Any:
+        keep = and_(mv.status == "active", not_forgotten())
+        return select(*(getattr(mv, c) for c in _MEMORY_COLUMNS),
+                      case((keep, 1), else_=0).label("indexed")).where(
+            mv.slot.in_(bindparam("slots", expanding=True)))
+    return prepared("vectors.slot_rows", build)
+
+
+async def slot_rows(conn: AsyncConnection, slots: Iterable[str]) -> list[Any]:
+    """Every `mem_versions` row of these slots (`_slot_rows_query`: the index's columns
+    and `indexed`), what this index and the lexical one both read of a batch's slots.
+    Inside a fused round the rows of the same slots are read once (`projections.rounds`:
+    after the memories view has applied, before anything else writes it)."""
+    wanted = frozenset(slots)
+    facts = rounds.current()
+    key = ("slot_rows", wanted)
+    if facts is not None and key in facts.views:
+        return list(facts.views[key])
+    rows: list[Any] = []
+    for chunk in chunks(sorted(wanted)):
+        rows.extend((await conn.execute(_slot_rows_query(), {"slots": chunk})).all())
+    if facts is not None:
+        facts.views[key] = tuple(rows)
+    return rows
 
 
 _MEMORY_COLUMNS: Final = ("tenant", "memory_id", "ns_path", "mkey", "layer", "task_key",
@@ -679,12 +709,9 @@ async def _memory_rows(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slo
     slots = await slots_of(conn, mem_ids, slots, tombs)
     if not slots:
         return [], []
-    every: list[tuple[str, str]] = []
-    wanted: list[Any] = []
-    for chunk in chunks(sorted(slots)):
-        every.extend((r[0], r[1]) for r in (await conn.execute(_ids_of_slots(),
-                                                               {"slots": chunk})).all())
-        wanted.extend((await conn.execute(_active_rows_of_slots(), {"slots": chunk})).all())
+    rows = await slot_rows(conn, slots)
+    every: list[tuple[str, str]] = [(r.tenant, r.memory_id) for r in rows]
+    wanted: list[Any] = [r for r in rows if r.indexed]
     # Also whatever the index holds for the touched ids (stale rows from any source).
     every.extend(mem_ids)
     return every, wanted
