@@ -30,6 +30,7 @@ as-of recall scores without embedding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -43,11 +44,12 @@ from ledger.recorder import STORED_COLUMNS, pairs_in
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
+from projections import rounds
 from projections.embed_cache import lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
-from projections.sql import chunks, fetch, insert_rows
+from projections.sql import chunks, fetch, insert_rows, one_tenant, prepared
 from projections.vectors import embedder_named, memory_text, resolve_embedder, to_blob
 
 FORGETS: Final = ("memory.forgotten", "task.purged")
@@ -223,7 +225,10 @@ class HistoryProjection:
         few per batch, not a few per tenant), and reads each row it needs once."""
         if not batch:
             return
-        done = await checkpoint(conn, MEMORIES)
+        # In a fused round every checkpoint has been moved already (`projections.rounds`).
+        facts = rounds.current()
+        known = facts.position(MEMORIES) if facts is not None else None
+        done = known if known is not None else await checkpoint(conn, MEMORIES)
         changes = _Changes()
         forgets = await _batch(store, conn, batch, done, changes)
         if changes.closed:
@@ -289,7 +294,7 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
         for tenant, mid, slot in (await conn.execute(q)).all():
             at.setdefault(slot, set()).update(aims[(tenant, mid)])
             tenant_of[slot] = tenant
-    tombs = await store.tombstones(conn, tenants, upto=hi)
+    tombs = await rounds.tombstones(store, conn, tenants, hi)
     forgets = [ts for ts in tombs if ts.position >= lo]
     for ts in forgets:
         q = select(ev.slot).where(ev.type.in_(writes_t), ev.position <= hi,
@@ -302,19 +307,21 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
     slots = sorted(at)
     facts: dict[str, list[WriteFact]] = {}
     erased: set[tuple[str, str]] = set()
-    cols = [keyed(ev[c]) if c == "payload" else ev[c] for c in WRITE_COLUMNS]
+    q = prepared("history.slot_writes", lambda: select(
+        *[keyed(ev[c]) if c == "payload" else ev[c] for c in WRITE_COLUMNS]).where(
+        ev.slot.in_(bindparam("slots", expanding=True)), ev.type.in_(writes_t),
+        ev.position <= bindparam("hi")))
+    q2 = prepared("history.open_rows", lambda: select(
+        mh.tenant, mh.slot, mh.memory_id, mh.valid_from, *[mh[c] for c in _STATE]).where(
+        mh.slot.in_(bindparam("slots", expanding=True)), mh.valid_to.is_(None)))
     for chunk in chunks(slots):
-        q = select(*cols).where(ev.slot.in_(chunk), ev.type.in_(writes_t),
-                                ev.position <= hi)
-        for r in _by_slot((await conn.execute(q)).all(), tenant_of):
+        for r in _by_slot((await conn.execute(q, {"slots": chunk, "hi": hi})).all(),
+                          tenant_of):
             f, gone = fact_of_row(r)
             facts.setdefault(f.slot, []).append(f)
             if gone:
                 erased.add((f.tenant, f.memory_id))
-        q2 = select(mh.tenant, mh.slot, mh.memory_id, mh.valid_from,
-                    *[mh[c] for c in _STATE]).where(mh.slot.in_(chunk),
-                                                    mh.valid_to.is_(None))
-        for r in _by_slot((await conn.execute(q2)).all(), tenant_of):
+        for r in _by_slot((await conn.execute(q2, {"slots": chunk})).all(), tenant_of):
             changes.open[(r[0], r[2])] = _Open(int(r[3]), tuple(r[4:]))
     ids = {(f.tenant, f.memory_id) for fs in facts.values() for f in fs}
     marks = await _marks(conn, ids, hi, done)
@@ -365,14 +372,30 @@ async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: in
         return []
     mk = t.mem_marks.c
     out: list[Mark] = []
+    one = prepared("history.marks", lambda: select(t.mem_marks).where(
+        mk.tenant == bindparam("tenant"), mk.target.in_(bindparam("ids", expanding=True)),
+        mk.position <= bindparam("upto")))
     for chunk in chunks(wanted):
-        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk),
-                                      mk.position <= min(upto, done))
-        out.extend(_mark_of_row(r) for r in (await conn.execute(q)).all())
+        alone = one_tenant(chunk)
+        if alone is not None:  # one tenant: the statement built once
+            rows = (await conn.execute(one, {"tenant": alone[0], "ids": alone[1],
+                                             "upto": min(upto, done)})).all()
+        else:
+            rows = (await conn.execute(select(t.mem_marks).where(
+                pairs_in(mk.tenant, mk.target, chunk), mk.position <= min(upto, done)))).all()
+        out.extend(_mark_of_row(r) for r in rows)
     if upto > done:  # positions the view has not applied yet: from the ledger itself
         tenants = sorted({tenant for tenant, _ in wanted})
         out += await _ledger_marks(conn, tenants, done, upto, set(wanted))
     return out
+
+
+def _vectors_of(table: Any, ident: Any, extra: Sequence[Any]) -> Any:
+    """SELECT (tenant, id, vector) of `table` for the tenant `:tenant`, the ids `:ids`
+    and the model `:model` (`_embed`'s one-tenant statement)."""
+    return select(table.c.tenant, ident, table.c.vector).where(
+        table.c.tenant == bindparam("tenant"), ident.in_(bindparam("ids", expanding=True)),
+        table.c.model == bindparam("model"), *extra)
 
 
 async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
@@ -393,9 +416,17 @@ async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, A
     for table, ident, extra in ((t.vectors, vc.item_id, (vc.kind == "memory",)),
                                 (t.mem_history, mh.memory_id, (mh.vector.is_not(None),))):
         for chunk in chunks([k for k in pairs if k not in known]):
-            q = select(table.c.tenant, ident, table.c.vector).where(
-                pairs_in(table.c.tenant, ident, chunk), table.c.model == emb.name, *extra)
-            for tenant, mid, vec in await fetch(store, conn, q):
+            alone = one_tenant(chunk)
+            if alone is not None:  # one tenant: a statement built once per table
+                q = prepared(("history.vectors_of", table.name), functools.partial(
+                    _vectors_of, table, ident, extra))
+                got: Iterable[Any] = (await conn.execute(q, {
+                    "tenant": alone[0], "ids": alone[1], "model": emb.name})).all()
+            else:
+                got = await fetch(store, conn, select(table.c.tenant, ident, table.c.vector)
+                                  .where(pairs_in(table.c.tenant, ident, chunk),
+                                         table.c.model == emb.name, *extra))
+            for tenant, mid, vec in got:
                 known[(tenant, mid)] = bytes(vec)
     todo: dict[tuple[str, str], str] = {}
     for r in want:

@@ -41,7 +41,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, case, delete, or_, select
+from sqlalchemy import and_, bindparam, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -61,10 +61,12 @@ from projections.sql import (
     page_after,
     prefix_match,
     prefix_range,
+    prepared,
 )
 from projections.vectors import (
     apply_settling,
     memory_text,
+    slot_rows,
     slots_of,
     touched,
 )
@@ -185,7 +187,7 @@ class LexicalProjection:
                     batch: Sequence[StoredEvent], upto: int) -> None:
         touch = touched(batch)
         tombs = await touch.tombstones(store, conn, upto)
-        ld, mv = t.lexical_docs.c, t.mem_versions.c
+        ld = t.lexical_docs.c
         for ts in tombs:
             await conn.execute(delete(t.lexical_docs).where(ld.tenant == ts.tenant,
                                                             _covered(ts)))
@@ -194,22 +196,19 @@ class LexicalProjection:
         # (`keep`) which of them are indexed.
         every: set[tuple[str, str]] = set(touch.mem_ids)
         wanted: list[Any] = []
-        keep = and_(mv.status == "active", not_forgotten())
-        for chunk in chunks(sorted(slots)):
-            q = select(*[mv[c] for c in _MEM_COLUMNS], case((keep, 1), else_=0)).where(
-                mv.slot.in_(chunk))
-            for r in (await conn.execute(q)).all():
-                every.add((r.tenant, r.memory_id))
-                if r[-1]:
-                    wanted.append(r)
+        for r in await slot_rows(conn, slots):
+            every.add((r.tenant, r.memory_id))
+            if r.indexed:
+                wanted.append(r)
         # Only what changed is written: an entry the index holds already, the same, stays
         # (a full-text delete and insert of it would cost as much as a new entry).
         new = {(d["tenant"], d["item_id"]): d for d in doc_rows(wanted)}
         stale: list[int] = []
+        held = prepared("lexical.entries", lambda: select(*[ld[c] for c in _DOC_COLUMNS])
+                        .where(ld.tenant == bindparam("tenant"),
+                               ld.item_id.in_(bindparam("ids", expanding=True))))
         for tenant, part in _by_tenant(every):
-            q = select(*[ld[c] for c in _DOC_COLUMNS]).where(ld.tenant == tenant,
-                                                           ld.item_id.in_(part))
-            for r in (await conn.execute(q)).all():
+            for r in (await conn.execute(held, {"tenant": tenant, "ids": part})).all():
                 have = dict(zip(_DOC_COLUMNS, r, strict=True))
                 if new.get((r.tenant, r.item_id)) == have:
                     del new[(r.tenant, r.item_id)]

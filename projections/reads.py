@@ -8,6 +8,7 @@ forget is effective the moment it is appended, before any projection ran (R20).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import namedtuple
 from collections.abc import Iterable
@@ -54,8 +55,10 @@ class Principal:
         return len(namespace) >= 2 and namespace[0] == self.tenant and namespace[1] == self.user
 
 
+@functools.cache
 def not_forgotten() -> Any:
-    """SQL: the `mem_versions` row is covered by no tombstone of the ledger."""
+    """SQL: the `mem_versions` row is covered by no tombstone of the ledger (built once:
+    it holds no value, and SQLAlchemy's expressions are immutable)."""
     return ~exists().where(covers_sql(t.tombstones.c, t.mem_versions.c))
 
 

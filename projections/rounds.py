@@ -6,7 +6,15 @@ applies its share. A projection that reads those positions (the indexes ask how 
 the views they are fed from have got, `projections.vectors.source_shard_positions`)
 can take them from here instead of reading them again. The round's facts also carry
 a memo for what one transaction reads repeatedly and only it could change (the
-ledger's resolved embedder): it lives as long as the round's transaction.
+ledger's resolved embedder): it lives as long as the round's transaction. What one
+projection reads from the views that a later one reads again (the slots a batch
+reaches: vectors, then lexical) is kept apart, in `views`, and dropped if the round's
+savepoint is rolled back.
+
+The ledger's tombstones are in the memo too (`tombstones`): the views of a round read
+those of the same tenants up to the same position (the memories view, the stored
+history), and no view writes them; only an append does, at positions after the
+round's end, which a read `upto` it never returns.
 
 Outside a round (`Runner.step`, bulk loads, rebuilds, replays) `current()` is None
 and every reader goes to SQL as before.
@@ -15,10 +23,15 @@ and every reader goes to SQL as before.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ledger.forgets import Tombstone
+from ledger.store import Store
 
 
 @dataclass
@@ -27,7 +40,11 @@ class RoundFacts:
     no shard checkpoints exist) and its per-transaction memo."""
 
     positions: Mapping[str, int]
-    memo: dict[str, Any] = field(default_factory=dict)
+    memo: dict[Any, Any] = field(default_factory=dict)
+    #: What a projection read from the views the round has changed, for a later one
+    #: (`projections.vectors.slots_of`): dropped when the round's savepoint is rolled
+    #: back (`Runner._apply_plan`), since the views it was read from are then undone.
+    views: dict[Any, Any] = field(default_factory=dict)
 
     def position(self, name: str) -> int | None:
         """A projection's checkpoint in this round; None if the round does not know it."""
@@ -50,3 +67,18 @@ def applying(facts: RoundFacts) -> Iterator[RoundFacts]:
         yield facts
     finally:
         _FACTS.reset(token)
+
+
+async def tombstones(store: Store, conn: AsyncConnection, tenants: Iterable[str],
+                     upto: int) -> list[Tombstone]:
+    """`store.tombstones(conn, tenants, upto=upto)`, read once per round for the same
+    tenants and position (a new list each call)."""
+    key = frozenset(tenants)
+    facts = current()
+    if facts is None:
+        return await store.tombstones(conn, key, upto=upto)
+    memo = ("tombstones", key, upto)
+    got: list[Tombstone] | None = facts.memo.get(memo)
+    if got is None:
+        got = facts.memo[memo] = await store.tombstones(conn, key, upto=upto)
+    return list(got)

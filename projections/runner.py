@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import orjson
 import structlog
-from sqlalchemy import delete, select, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -40,7 +40,7 @@ from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_share, for_update, insert_ignore
+from projections.sql import for_share, for_update, insert_ignore, prepared
 
 log = structlog.get_logger("memledger.projections")
 
@@ -509,22 +509,31 @@ class Runner:
         names = [p.name for p in self.projections]
         cp, sc, qc = t.checkpoints.c, t.shard_checkpoints.c, t.quarantine.c
         done: list[tuple[Projection, int, list[StoredEvent], list[Failure], float]] = []
-        at = {str(r[0]): int(r[1]) for r in (await conn.execute(for_update(
-            self.store, select(cp.name, cp.position).where(cp.name.in_(names))
-            .order_by(cp.name)))).all()}
+        # The round's statements are built once (`prepared`): only their values change.
+        dialect = self.store.dialect
+        lock = prepared(("runner.round.lock", dialect), lambda: for_update(
+            self.store, select(cp.name, cp.position).where(
+                cp.name.in_(bindparam("names", expanding=True))).order_by(cp.name)))
+        at = {str(r[0]): int(r[1])
+              for r in (await conn.execute(lock, {"names": names})).all()}
         end = upto if upto is not None else await self.store.head(conn)
         low = min(at.values(), default=0)
+        ahead = prepared("runner.round.shards", lambda: select(sc.projection).where(
+            sc.projection.in_(bindparam("names", expanding=True))).limit(1))
         fused = (len(at) == len(names) and low > 0
                  and end - low <= self.batch_size
-                 and (await conn.execute(select(sc.projection).where(
-                     sc.projection.in_(names)).limit(1))).first() is None)
+                 and (await conn.execute(ahead, {"names": names})).first() is None)
         if not fused or end <= low:
             return fused, end, at, done
         count = await shards.shard_count(conn)
         events = await self.store.read_events(conn, low, end - low, end)
         held: dict[str, set[int]] = {}
-        for name, pos in (await conn.execute(select(qc.projection, qc.position).where(
-                qc.projection.in_(names), qc.position > low, qc.position <= end))).all():
+        quarantined = prepared("runner.round.held", lambda: select(
+            qc.projection, qc.position).where(
+            qc.projection.in_(bindparam("names", expanding=True)),
+            qc.position > bindparam("low"), qc.position <= bindparam("end")))
+        for name, pos in (await conn.execute(quarantined, {
+                "names": names, "low": low, "end": end})).all():
             held.setdefault(str(name), set()).add(int(pos))
         plan: list[tuple[Projection, int, list[StoredEvent]]] = []
         for proj in self.projections:
@@ -540,9 +549,11 @@ class Runner:
         # Every checkpoint moves first, in one statement: a projection that reads
         # another's position (history, the indexes) finds it where a step would, as
         # the one before it has applied the same range.
-        await conn.execute(update(t.checkpoints).where(
-            cp.name.in_([p.name for p, _, _ in plan])).values(
-            position=end, updated_at=time.time()))
+        move = prepared("runner.round.move", lambda: update(t.checkpoints).where(
+            cp.name.in_(bindparam("names", expanding=True))).values(
+            position=bindparam("end"), updated_at=bindparam("now")))
+        await conn.execute(move, {"names": [p.name for p, _, _ in plan], "end": end,
+                                  "now": time.time()})
         started = time.perf_counter()
         known = rounds.RoundFacts({name: max(pos, end) for name, pos in at.items()})
         with rounds.applying(known):
@@ -570,6 +581,9 @@ class Runner:
             except Exception as e:
                 if not is_poison(e):
                     raise
+            facts = rounds.current()
+            if facts is not None:  # read from views the rollback has undone
+                facts.views.clear()
             return {proj.name: await self._apply_guarded(proj, conn, batch)
                     for proj, _, batch in plan if batch}
 

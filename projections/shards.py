@@ -33,7 +33,7 @@ from ledger import schema as t
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
-from projections.sql import shard_filter
+from projections.sql import prepared, shard_filter
 
 #: Shards per projection when the ledger records none.
 DEFAULT_SHARDS: Final = 16
@@ -57,8 +57,9 @@ def shard_of(tenant: str, count: int) -> int:
 
 async def shard_count(conn: AsyncConnection) -> int:
     """S of this ledger (`meta` row `shards`; default `DEFAULT_SHARDS`)."""
-    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == SHARDS_META))
-           ).first()
+    q = prepared("shards.count", lambda: select(t.meta.c.value).where(
+        t.meta.c.name == SHARDS_META))
+    row = (await conn.execute(q)).first()
     return int(row[0]) if row is not None else DEFAULT_SHARDS
 
 

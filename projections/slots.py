@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
 from ledger.recorder import pairs_in
 from projections.memory import Mark, WriteFact, resolve_slot
-from projections.sql import chunks
+from projections.sql import chunks, one_tenant, prepared
 
 
 def reaches(ts: Tombstone) -> Any:
@@ -50,8 +50,7 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
     slot_marks: dict[tuple[str, str], list[Mark]] = {}
     vias: set[tuple[str, str]] = set()
     for chunk in chunks(ids):
-        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
-        for r in (await conn.execute(q)).all():
+        for r in await marks_aimed(conn, chunk):
             m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
                      r.via_candidate, r.owner)
             slot_marks.setdefault((m.tenant, m.target), []).append(m)
@@ -73,6 +72,20 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
         ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), ())]
         rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
     return rows
+
+
+async def marks_aimed(conn: AsyncConnection, pairs: Sequence[tuple[str, str]]
+                      ) -> Sequence[Any]:
+    """The `mem_marks` rows aimed at these (tenant, memory id)s: of one tenant by a
+    statement built once (`prepared`), of several by one `pairs_in` statement."""
+    mk = t.mem_marks.c
+    one = one_tenant(pairs)
+    if one is None:
+        return (await conn.execute(select(t.mem_marks).where(
+            pairs_in(mk.tenant, mk.target, pairs)))).all()
+    q = prepared("slots.marks_aimed", lambda: select(t.mem_marks).where(
+        mk.tenant == bindparam("tenant"), mk.target.in_(bindparam("ids", expanding=True))))
+    return (await conn.execute(q, {"tenant": one[0], "ids": one[1]})).all()
 
 
 def mark_row(m: Mark) -> dict[str, Any]:

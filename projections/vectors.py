@@ -27,6 +27,7 @@ kept by content digest (`projections.embed_cache`); the transaction only reads t
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 import orjson
 import structlog
 from numpy.typing import NDArray
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, bindparam, case, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -58,7 +59,7 @@ from projections.embedding import (
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
-from projections.sql import chunks, insert_ignore, insert_rows, page_after
+from projections.sql import chunks, insert_ignore, insert_rows, page_after, prepared
 
 log = structlog.get_logger("memledger.vectors")
 
@@ -113,8 +114,9 @@ def embedder_named(name: str | None) -> Embedder:
 
 async def recorded_embedder(conn: AsyncConnection) -> str | None:
     """The ledger's recorded embedder name, or None when none was recorded."""
-    row = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name == EMBEDDER_META))
-           ).first()
+    q = prepared("vectors.recorded_embedder", lambda: select(t.meta.c.value).where(
+        t.meta.c.name == EMBEDDER_META))
+    row = (await conn.execute(q)).first()
     return None if row is None else str(row[0])
 
 
@@ -139,13 +141,23 @@ async def stored_model(conn: AsyncConnection, family: str | None = None) -> str 
     `LIMIT 1` may plan a sequential scan on PostgreSQL, tests/projections/test_pg_plans.py)."""
     for table in (t.vectors, t.mem_history):
         model = table.c.model
-        q = select(model).where(model.is_not(None)).order_by(*table.primary_key.columns)
-        if family is not None:
-            q = q.where(model.startswith(family + "-", autoescape=True))
-        row = (await conn.execute(q.limit(1))).first()
+        if family is None:  # what every round asks: the statement built once
+            q = prepared(("vectors.stored_model", table.name), functools.partial(
+                _first_model, table))
+        else:
+            q = select(model).where(model.is_not(None),
+                                    model.startswith(family + "-", autoescape=True)
+                                    ).order_by(*table.primary_key.columns).limit(1)
+        row = (await conn.execute(q)).first()
         if row is not None:
             return str(row[0])
     return None
+
+
+def _first_model(table: Any) -> Any:
+    """SELECT the first non-null `model` of `table` in primary-key order."""
+    return select(table.c.model).where(table.c.model.is_not(None)).order_by(
+        *table.primary_key.columns).limit(1)
 
 
 def _known(name: str) -> bool:
@@ -366,35 +378,93 @@ async def slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: 
     """Every slot whose entries those ids, slots and tombstones can change.
 
     The slots of the ids, those the tombstones cover, and one hop further: a confirmed
-    candidate's `supersedes` reaches into another slot.
+    candidate's `supersedes` reaches into another slot. Inside a fused round the answer
+    for the same ids, slots and tombstones is read once (`projections.rounds`: the
+    index and the lexical index ask alike, after the memories view has applied and
+    before anything else writes it).
     """
+    facts = rounds.current()
+    key = ("slots_of", frozenset(mem_ids), frozenset(slots),
+           tuple(sorted(ts.position for ts in tombs)))
+    if facts is not None and key in facts.views:
+        return set(facts.views[key])
+    out = await _slots_of(conn, mem_ids, slots, tombs)
+    if facts is not None:
+        facts.views[key] = frozenset(out)
+    return out
+
+
+async def _slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: set[str],
+                    tombs: Sequence[Tombstone]) -> set[str]:
     mv = t.mem_versions.c
     out = set(slots)
     for ts in tombs:
         out.update(await covered_slots(conn, ts))
+    by_id = prepared("vectors.slots_of_ids", lambda: select(mv.slot).where(
+        mv.tenant == bindparam("tenant"), mv.memory_id.in_(bindparam("ids", expanding=True))))
     for tenant, chunk in _by_tenant(mem_ids):
-        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
-        out.update(r[0] for r in (await conn.execute(q)).all())
+        out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
+                                                             "ids": chunk})).all())
     hop: set[tuple[str, str]] = set()
+    refs = prepared("vectors.slot_refs", lambda: select(
+        mv.tenant, mv.supersedes, mv.superseded_by).where(
+        mv.slot.in_(bindparam("slots", expanding=True))))
     for chunk in chunks(sorted(out)):
-        q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
-        for r in (await conn.execute(q)).all():
+        for r in (await conn.execute(refs, {"slots": chunk})).all():
             hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
     for tenant, chunk in _by_tenant(hop - mem_ids):
-        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
-        out.update(r[0] for r in (await conn.execute(q)).all())
+        out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
+                                                             "ids": chunk})).all())
     return out
 
 
 async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
                               ) -> set[tuple[str, str]]:
     """(tenant, memory_id) of every version in those slots."""
-    mv = t.mem_versions.c
     out: set[tuple[str, str]] = set()
     for chunk in chunks(sorted(set(slots))):
-        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
-        out.update((r[0], r[1]) for r in (await conn.execute(q)).all())
+        out.update((r[0], r[1]) for r in (await conn.execute(_ids_of_slots(),
+                                                             {"slots": chunk})).all())
     return out
+
+
+def _ids_of_slots() -> Any:
+    """(tenant, memory_id) of the `mem_versions` rows of the slots `:slots` (built once)."""
+    mv = t.mem_versions.c
+    return prepared("vectors.ids_of_slots", lambda: select(mv.tenant, mv.memory_id).where(
+        mv.slot.in_(bindparam("slots", expanding=True))))
+
+
+def _slot_rows_query() -> Any:
+    """Every `mem_versions` row of the slots `:slots` with the indexes' columns
+    (`_MEMORY_COLUMNS`) and, last, `indexed`: 1 where an index holds it (active, not
+    forgotten), else 0 (built once)."""
+    mv = t.mem_versions.c
+
+    def build() -> Any:
+        keep = and_(mv.status == "active", not_forgotten())
+        return select(*(getattr(mv, c) for c in _MEMORY_COLUMNS),
+                      case((keep, 1), else_=0).label("indexed")).where(
+            mv.slot.in_(bindparam("slots", expanding=True)))
+    return prepared("vectors.slot_rows", build)
+
+
+async def slot_rows(conn: AsyncConnection, slots: Iterable[str]) -> list[Any]:
+    """Every `mem_versions` row of these slots (`_slot_rows_query`: the index's columns
+    and `indexed`), what this index and the lexical one both read of a batch's slots.
+    Inside a fused round the rows of the same slots are read once (`projections.rounds`:
+    after the memories view has applied, before anything else writes it)."""
+    wanted = frozenset(slots)
+    facts = rounds.current()
+    key = ("slot_rows", wanted)
+    if facts is not None and key in facts.views:
+        return list(facts.views[key])
+    rows: list[Any] = []
+    for chunk in chunks(sorted(wanted)):
+        rows.extend((await conn.execute(_slot_rows_query(), {"slots": chunk})).all())
+    if facts is not None:
+        facts.views[key] = tuple(rows)
+    return rows
 
 
 _MEMORY_COLUMNS: Final = ("tenant", "memory_id", "ns_path", "mkey", "layer", "task_key",
@@ -577,9 +647,11 @@ class VectorProjection:
         every, wanted = await _memory_rows(conn, mem_ids, slots, tombs)
         if not every:
             return
+        gone = prepared("vectors.delete_memories", lambda: delete(t.vectors).where(
+            vc.tenant == bindparam("tenant"), vc.item_id.in_(bindparam("ids", expanding=True)),
+            vc.kind == "memory"))
         for tenant, chunk in _by_tenant(every):
-            await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, vc.item_id.in_(chunk), vc.kind == "memory"))
+            await conn.execute(gone, {"tenant": tenant, "ids": chunk})
         if not wanted:
             return
         await insert_rows(store, conn, t.vectors,
@@ -634,18 +706,12 @@ async def _memory_rows(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slo
                        tombs: Sequence[Tombstone]) -> tuple[list[tuple[str, str]], list[Any]]:
     """Every (tenant, memory id) whose entry a batch may change, and the active rows of
     those the index must hold (read only: `prepare` reads them outside the transaction)."""
-    mv = t.mem_versions.c
     slots = await slots_of(conn, mem_ids, slots, tombs)
     if not slots:
         return [], []
-    every: list[tuple[str, str]] = []
-    wanted: list[Any] = []
-    for chunk in chunks(sorted(slots)):
-        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
-        every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
-        q2 = _memory_rows_query().where(mv.slot.in_(chunk), mv.status == "active",
-                                        not_forgotten())
-        wanted.extend((await conn.execute(q2)).all())
+    rows = await slot_rows(conn, slots)
+    every: list[tuple[str, str]] = [(r.tenant, r.memory_id) for r in rows]
+    wanted: list[Any] = [r for r in rows if r.indexed]
     # Also whatever the index holds for the touched ids (stale rows from any source).
     every.extend(mem_ids)
     return every, wanted
@@ -777,7 +843,9 @@ async def get_pending(conn: AsyncConnection, scope: shards.Scope,
     """The earliest unsettled position of the scope's shards (and of the whole index, a
     row written before shards)."""
     names = [meta, *(pending_name(k, meta) for k in scope.members())]
-    rows = (await conn.execute(select(t.meta.c.value).where(t.meta.c.name.in_(names)))).all()
+    q = prepared("vectors.pending", lambda: select(t.meta.c.value).where(
+        t.meta.c.name.in_(bindparam("names", expanding=True))))
+    rows = (await conn.execute(q, {"names": names})).all()
     return min((int(r[0]) for r in rows), default=None)
 
 

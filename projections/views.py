@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -17,11 +18,11 @@ from ledger.forgets import covers_sql, tombstone_of
 from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import bulk
+from projections import bulk, rounds
 from projections.memory import WriteFact, fact_from_row, marks_of, view_columns, write_fact
 from projections.protocol import State
 from projections.slots import covered_slots, mark_row, resolve_slots
-from projections.sql import chunks, insert_rows
+from projections.sql import chunks, insert_rows, prepared
 from projections.task_rows import note_row, summarize_tasks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -50,7 +51,7 @@ class MemoryProjection:
                               ignore=True)
         tenants = {se.tenant for se in batch}
         upto = batch[-1].position
-        tombs = await store.tombstones(conn, tenants, upto=upto)
+        tombs = await rounds.tombstones(store, conn, tenants, upto)
         slots: set[str] = {w.slot for w in writes}
         # Slots reached through marks: targets, and the targets of confirmed candidates.
         targets = {(m.tenant, m.target) for m in marks}
@@ -71,21 +72,34 @@ class MemoryProjection:
         existing: dict[str, list[WriteFact]] = {}
         new_ids = {(w.tenant, w.memory_id) for w in writes}
         for chunk in chunks(slot_list):
-            q = select(*view_columns(t.mem_versions)).where(mv.slot.in_(chunk))
-            for r in (await conn.execute(q)).all():
+            for r in (await conn.execute(_rows_of_slots(), {"slots": chunk})).all():
                 if (r.tenant, r.memory_id) not in new_ids:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:
             existing.setdefault(w.slot, []).append(w)
         rows = await resolve_slots(conn, existing, tombs)
         for chunk in chunks(slot_list, 500):
-            await conn.execute(delete(t.mem_versions).where(mv.slot.in_(chunk)))
+            await conn.execute(_delete_slots(), {"slots": chunk})
         await insert_rows(store, conn, t.mem_versions, rows)
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:
         """One step of a bulk load into the emptied view (`projections.bulk`)."""
         return await bulk.memories_step(store, conn, state, size)
+
+
+def _rows_of_slots() -> Any:
+    """Every `mem_versions` row of the slots `:slots` (built once: `prepared`)."""
+    mv = t.mem_versions.c
+    return prepared("views.rows_of_slots", lambda: select(*view_columns(t.mem_versions))
+                    .where(mv.slot.in_(bindparam("slots", expanding=True))))
+
+
+def _delete_slots() -> Any:
+    """DELETE the `mem_versions` rows of the slots `:slots` (built once)."""
+    mv = t.mem_versions.c
+    return prepared("views.delete_slots", lambda: delete(t.mem_versions).where(
+        mv.slot.in_(bindparam("slots", expanding=True))))
 
 
 class TaskProjection:
