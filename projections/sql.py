@@ -87,11 +87,13 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
 
     On SQLite the rows go to the driver as plain tuples in column order: SQLAlchemy's
     per-row parameter processing costs about 10 us a row, more than the insert itself.
+    Elsewhere the recorder writes them (`Recorder.write_rows`; PostgreSQL: one COPY or
+    one INSERT over arrays per call).
     """
     if not rows:
         return
     if store.dialect != "sqlite":
-        await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
+        await store.recorder.write_rows(conn, table, rows, ignore=ignore)
         return
     if store.vault is not None:
         # The driver gets plain tuples: seal the content columns as their types would.
@@ -300,11 +302,11 @@ async def lexical_insert(store: Store, conn: AsyncConnection,
     index's trigger makes each statement one) and at every row id lower than the last:
     rows sent one per statement, in any order, gave one segment per entry, which its
     merges then paid for (about 10x the cost of the entries themselves). Sorted and
-    grouped, a batch makes a few segments. PostgreSQL: an executemany."""
+    grouped, a batch makes a few segments. PostgreSQL: `insert_rows` (one COPY)."""
     if not rows:
         return
     if store.dialect != "sqlite":
-        await conn.execute(t.lexical_docs.insert(), rows)
+        await insert_rows(store, conn, t.lexical_docs, rows)
         return
     if store.vault is not None:
         rows = seal_columns(t.lexical_docs, rows, conn.dialect)
