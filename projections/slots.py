@@ -15,9 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
-from ledger.recorder import pairs_in
 from projections.memory import Mark, WriteFact, resolve_slot
-from projections.sql import chunks
+from projections.sql import batches, pairs_of
 
 
 def reaches(ts: Tombstone) -> Any:
@@ -49,8 +48,8 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
                  if marked is None else marked)
     slot_marks: dict[tuple[str, str], list[Mark]] = {}
     vias: set[tuple[str, str]] = set()
-    for chunk in chunks(ids):
-        q = select(t.mem_marks).where(pairs_in(mk.tenant, mk.target, chunk))
+    for chunk in batches(conn, ids):
+        q = select(t.mem_marks).where(pairs_of(conn, mk.tenant, mk.target, chunk))
         for r in (await conn.execute(q)).all():
             m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
                      r.via_candidate, r.owner)
@@ -58,8 +57,8 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
             if m.via_candidate:
                 vias.add((m.tenant, m.via_candidate))
     confirmed: set[str] = set()
-    for chunk in chunks(sorted(vias)):
-        q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
+    for chunk in batches(conn, sorted(vias)):
+        q = select(mk.target).where(pairs_of(conn, mk.tenant, mk.target, chunk),
                                     mk.kind == "confirmed")
         confirmed.update(r[0] for r in (await conn.execute(q)).all())
     by_tenant: dict[str, list[Tombstone]] = {}

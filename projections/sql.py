@@ -18,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
     ColumnElement,
     String,
+    any_,
     bindparam,
     cast,
     func,
@@ -39,6 +41,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.recorder import pairs_in
 from ledger.store import Store
 from ledger.vault import open_columns, seal_columns, sealed_columns
 
@@ -47,6 +50,42 @@ def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
     """`items` in slices of at most `n` (bound parameters per statement stay few)."""
     for i in range(0, len(items), n):
         yield items[i:i + n]
+
+
+def batches(conn: AsyncConnection, items: Sequence[Any], n: int = 400
+            ) -> Iterable[Sequence[Any]]:
+    """`items` in the slices one statement of `any_of` / `pairs_of` takes: all at once on
+    PostgreSQL (one array parameter per column, whatever their number), else `chunks`."""
+    if conn.dialect.name == "postgresql":
+        return [items] if items else []
+    return chunks(items, n)
+
+
+def any_of(conn: AsyncConnection, col: Any, values: Sequence[Any]) -> Any:
+    """SQL: `col` is one of `values` (as `col.in_(values)`).
+
+    PostgreSQL: `col = ANY($1::type[])`, one array parameter. An IN list is rendered
+    again at every execution, one cast parameter per value: for the projections' lists
+    of hundreds of slots that rendering cost more than the statement on the server.
+    """
+    if conn.dialect.name == "postgresql":
+        return col == any_(bindparam(None, list(values), type_=ARRAY(col.type)))
+    return col.in_(values)
+
+
+def pairs_of(conn: AsyncConnection, a: Any, b: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:
+    """SQL: `(a, b)` is one of `pairs` (as `ledger.recorder.pairs_in`).
+
+    PostgreSQL: `(a, b) IN (SELECT * FROM unnest($1::type[], $2::type[]))`, two array
+    parameters, which the planner serves from the index on `(a, b)` by a semi-join;
+    elsewhere `pairs_in` (`a = x AND b IN (...)` per distinct `x`, for SQLite's planner).
+    """
+    if conn.dialect.name != "postgresql":
+        return pairs_in(a, b, pairs)
+    xs = bindparam(None, [p[0] for p in pairs], type_=ARRAY(a.type))
+    ys = bindparam(None, [p[1] for p in pairs], type_=ARRAY(b.type))
+    pairs_table = func.unnest(xs, ys).table_valued("x", "y").render_derived()
+    return tuple_(a, b).in_(select(pairs_table.c.x, pairs_table.c.y))
 
 
 def prefix_match(col: Any, prefix: str) -> Any:

@@ -58,7 +58,7 @@ from projections.embedding import (
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
-from projections.sql import chunks, insert_ignore, insert_rows, page_after
+from projections.sql import any_of, batches, chunks, insert_ignore, insert_rows, page_after
 
 log = structlog.get_logger("memledger.vectors")
 
@@ -373,15 +373,16 @@ async def slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots: 
     for ts in tombs:
         out.update(await covered_slots(conn, ts))
     for tenant, chunk in _by_tenant(mem_ids):
-        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
+        q = select(mv.slot).where(mv.tenant == tenant, any_of(conn, mv.memory_id, chunk))
         out.update(r[0] for r in (await conn.execute(q)).all())
     hop: set[tuple[str, str]] = set()
-    for chunk in chunks(sorted(out)):
-        q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(mv.slot.in_(chunk))
+    for chunk in batches(conn, sorted(out)):
+        q = select(mv.tenant, mv.supersedes, mv.superseded_by).where(
+            any_of(conn, mv.slot, chunk))
         for r in (await conn.execute(q)).all():
             hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
     for tenant, chunk in _by_tenant(hop - mem_ids):
-        q = select(mv.slot).where(mv.tenant == tenant, mv.memory_id.in_(chunk))
+        q = select(mv.slot).where(mv.tenant == tenant, any_of(conn, mv.memory_id, chunk))
         out.update(r[0] for r in (await conn.execute(q)).all())
     return out
 
@@ -391,8 +392,8 @@ async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
     """(tenant, memory_id) of every version in those slots."""
     mv = t.mem_versions.c
     out: set[tuple[str, str]] = set()
-    for chunk in chunks(sorted(set(slots))):
-        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+    for chunk in batches(conn, sorted(set(slots))):
+        q = select(mv.tenant, mv.memory_id).where(any_of(conn, mv.slot, chunk))
         out.update((r[0], r[1]) for r in (await conn.execute(q)).all())
     return out
 
@@ -579,7 +580,7 @@ class VectorProjection:
             return
         for tenant, chunk in _by_tenant(every):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, vc.item_id.in_(chunk), vc.kind == "memory"))
+                vc.tenant == tenant, any_of(conn, vc.item_id, chunk), vc.kind == "memory"))
         if not wanted:
             return
         await insert_rows(store, conn, t.vectors,
@@ -603,7 +604,7 @@ class VectorProjection:
                                       task_keys=[k for a, k in gone if a == tenant])
         for tenant, chunk in _by_tenant(tasks):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, vc.item_id.in_([TASK_PREFIX + k for k in chunk]),
+                vc.tenant == tenant, any_of(conn, vc.item_id, [TASK_PREFIX + k for k in chunk]),
                 vc.kind == "task"))
         wanted = await _task_rows(conn, tasks, ())
         if not wanted:
@@ -640,10 +641,10 @@ async def _memory_rows(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slo
         return [], []
     every: list[tuple[str, str]] = []
     wanted: list[Any] = []
-    for chunk in chunks(sorted(slots)):
-        q = select(mv.tenant, mv.memory_id).where(mv.slot.in_(chunk))
+    for chunk in batches(conn, sorted(slots)):
+        q = select(mv.tenant, mv.memory_id).where(any_of(conn, mv.slot, chunk))
         every.extend((r[0], r[1]) for r in (await conn.execute(q)).all())
-        q2 = _memory_rows_query().where(mv.slot.in_(chunk), mv.status == "active",
+        q2 = _memory_rows_query().where(any_of(conn, mv.slot, chunk), mv.status == "active",
                                         not_forgotten())
         wanted.extend((await conn.execute(q2)).all())
     # Also whatever the index holds for the touched ids (stale rows from any source).
@@ -677,7 +678,7 @@ async def _task_rows(conn: AsyncConnection, tasks: set[tuple[str, str]],
     tasks = set(tasks) | await _covered_tasks(conn, tombs)
     wanted: list[Any] = []
     for tenant, chunk in _by_tenant(tasks):
-        q = _task_rows_query().where(tv.tenant == tenant, tv.task_key.in_(chunk))
+        q = _task_rows_query().where(tv.tenant == tenant, any_of(conn, tv.task_key, chunk))
         wanted.extend((await conn.execute(q)).all())
     return wanted
 
