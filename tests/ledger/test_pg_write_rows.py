@@ -133,3 +133,27 @@ async def test_a_value_the_server_refuses_fails_as_through_the_engine(
         assert await _marks(store) == []
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("count", [3, COPY_MIN_ROWS + 3])
+async def test_a_failed_write_in_a_savepoint_leaves_the_transaction_usable(
+        pg_url: str, tmp_path: Path, count: int) -> None:
+    """As the runner applies a batch (in a savepoint, bisected when it fails): a write
+    that fails inside the savepoint is rolled back with it, and the same transaction
+    goes on to write and commit the rest."""
+    store = Store(pg_url, register_path=str(tmp_path / "f.forgets"), vault=False)
+    await store.open()
+    rows = [{"position": i, "tenant": "shop-a", "target": f"m{i}", "kind": "superseded",
+             "order_key": b"\x02", "by_id": None, "via_candidate": None, "owner": None}
+            for i in range(1, count + 1)]
+    try:
+        async with store.view_write() as conn:
+            await _begun(conn)
+            with pytest.raises(IntegrityError):
+                async with conn.begin_nested():
+                    await store.recorder.write_rows(conn, t.mem_marks, rows + rows[:1])
+            async with conn.begin_nested():
+                await store.recorder.write_rows(conn, t.mem_marks, rows)
+        assert await _marks(store) == sorted(_key(r) for r in rows)
+    finally:
+        await store.close()
