@@ -403,6 +403,15 @@ class Recorder(ABC):
         """Lock the selected rows for the transaction (where rows can be locked)."""
         return q
 
+    async def write_rows(self, conn: AsyncConnection, table: Table,
+                         rows: Sequence[dict[str, Any]], *, ignore: bool = False) -> None:
+        """Insert view rows (dicts with every column of `table`) in `conn`'s
+        transaction, skipping rows whose key is already there if `ignore`. This form is
+        SQLAlchemy's executemany; a backend may hand the rows to its driver instead
+        (PostgreSQL: COPY, or one statement over arrays)."""
+        if rows:
+            await conn.execute(self.insert_ignore(table) if ignore else table.insert(), rows)
+
     def bytewise(self, column: Any) -> Any:
         """An ORDER BY term that sorts text bytewise, alike on both backends."""
         return column

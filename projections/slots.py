@@ -15,9 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
-from ledger.recorder import pairs_in
 from projections.memory import Mark, WriteFact, resolve_slot
-from projections.sql import chunks, one_tenant, prepared
+from projections.sql import batches, in_list, one_tenant, pairs_of, prepared
 
 
 def reaches(ts: Tombstone) -> Any:
@@ -49,7 +48,7 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
                  if marked is None else marked)
     slot_marks: dict[tuple[str, str], list[Mark]] = {}
     vias: set[tuple[str, str]] = set()
-    for chunk in chunks(ids):
+    for chunk in batches(conn, ids):
         for r in await marks_aimed(conn, chunk):
             m = Mark(r.position, r.tenant, r.target, r.kind, bytes(r.order_key), r.by_id,
                      r.via_candidate, r.owner)
@@ -57,8 +56,8 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
             if m.via_candidate:
                 vias.add((m.tenant, m.via_candidate))
     confirmed: set[str] = set()
-    for chunk in chunks(sorted(vias)):
-        q = select(mk.target).where(pairs_in(mk.tenant, mk.target, chunk),
+    for chunk in batches(conn, sorted(vias)):
+        q = select(mk.target).where(pairs_of(conn, mk.tenant, mk.target, chunk),
                                     mk.kind == "confirmed")
         confirmed.update(r[0] for r in (await conn.execute(q)).all())
     by_tenant: dict[str, list[Tombstone]] = {}
@@ -77,15 +76,15 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
 async def marks_aimed(conn: AsyncConnection, pairs: Sequence[tuple[str, str]]
                       ) -> Sequence[Any]:
     """The `mem_marks` rows aimed at these (tenant, memory id)s: of one tenant by a
-    statement built once (`prepared`), of several by one `pairs_in` statement."""
+    statement built once (`prepared`), of several by one `pairs_of` statement."""
     mk = t.mem_marks.c
     one = one_tenant(pairs)
     if one is None:
         return (await conn.execute(select(t.mem_marks).where(
-            pairs_in(mk.tenant, mk.target, pairs)))).all()
-    q = prepared("slots.marks_aimed", lambda: select(t.mem_marks).where(
-        mk.tenant == bindparam("tenant"), mk.target.in_(bindparam("ids", expanding=True))))
-    return (await conn.execute(q, {"tenant": one[0], "ids": one[1]})).all()
+            pairs_of(conn, mk.tenant, mk.target, pairs)))).all()
+    q = prepared(("slots.marks_aimed", conn.dialect.name), lambda: select(t.mem_marks).where(
+        mk.tenant == bindparam("tenant"), in_list(conn, mk.target, "ids")))
+    return (await conn.execute(q, {"tenant": one[0], "ids": list(one[1])})).all()
 
 
 def mark_row(m: Mark) -> dict[str, Any]:

@@ -18,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
     ColumnElement,
     String,
+    any_,
     bindparam,
     cast,
     func,
@@ -39,6 +41,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.recorder import pairs_in
 from ledger.store import Store
 from ledger.vault import open_columns, seal_columns, sealed_columns
 
@@ -82,6 +85,51 @@ def chunks(items: Sequence[Any], n: int = 400) -> Iterable[Sequence[Any]]:
         yield items[i:i + n]
 
 
+def batches(conn: AsyncConnection, items: Sequence[Any], n: int = 400
+            ) -> Iterable[Sequence[Any]]:
+    """`items` in the slices one statement of `any_of` / `pairs_of` takes: all at once on
+    PostgreSQL (one array parameter per column, whatever their number), else `chunks`."""
+    if conn.dialect.name == "postgresql":
+        return [items] if items else []
+    return chunks(items, n)
+
+
+def any_of(conn: AsyncConnection, col: Any, values: Sequence[Any]) -> Any:
+    """SQL: `col` is one of `values` (as `col.in_(values)`).
+
+    PostgreSQL: `col = ANY($1::type[])`, one array parameter. An IN list is rendered
+    again at every execution, one cast parameter per value: for the projections' lists
+    of hundreds of slots that rendering cost more than the statement on the server.
+    """
+    if conn.dialect.name == "postgresql":
+        return col == any_(bindparam(None, list(values), type_=ARRAY(col.type)))
+    return col.in_(values)
+
+
+def in_list(conn: AsyncConnection, col: Any, name: str) -> Any:
+    """SQL: `col` is one of the values of the parameter `name`, for a statement built
+    once (`prepared`, keyed with the dialect's name): on PostgreSQL `col = ANY(:name)`,
+    one array parameter (as `any_of`), elsewhere an expanding `IN`. Give it a list."""
+    if conn.dialect.name == "postgresql":
+        return col == any_(bindparam(name, type_=ARRAY(col.type)))
+    return col.in_(bindparam(name, expanding=True))
+
+
+def pairs_of(conn: AsyncConnection, a: Any, b: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:
+    """SQL: `(a, b)` is one of `pairs` (as `ledger.recorder.pairs_in`).
+
+    PostgreSQL: `(a, b) IN (SELECT * FROM unnest($1::type[], $2::type[]))`, two array
+    parameters, which the planner serves from the index on `(a, b)` by a semi-join;
+    elsewhere `pairs_in` (`a = x AND b IN (...)` per distinct `x`, for SQLite's planner).
+    """
+    if conn.dialect.name != "postgresql":
+        return pairs_in(a, b, pairs)
+    xs = bindparam(None, [p[0] for p in pairs], type_=ARRAY(a.type))
+    ys = bindparam(None, [p[1] for p in pairs], type_=ARRAY(b.type))
+    pairs_table = func.unnest(xs, ys).table_valued("x", "y").render_derived()
+    return tuple_(a, b).in_(select(pairs_table.c.x, pairs_table.c.y))
+
+
 def prefix_match(col: Any, prefix: str) -> Any:
     """SQL: `col` starts with `prefix` (no LIKE, so no escaping and no collation)."""
     return func.substr(col, 1, len(prefix)) == prefix
@@ -120,11 +168,13 @@ async def insert_rows(store: Store, conn: AsyncConnection, table: Any,
 
     On SQLite the rows go to the driver as plain tuples in column order: SQLAlchemy's
     per-row parameter processing costs about 10 us a row, more than the insert itself.
+    Elsewhere the recorder writes them (`Recorder.write_rows`; PostgreSQL: one COPY or
+    one INSERT over arrays per call).
     """
     if not rows:
         return
     if store.dialect != "sqlite":
-        await conn.execute(insert_ignore(store, table) if ignore else table.insert(), rows)
+        await store.recorder.write_rows(conn, table, rows, ignore=ignore)
         return
     if store.vault is not None:
         # The driver gets plain tuples: seal the content columns as their types would.
@@ -333,11 +383,11 @@ async def lexical_insert(store: Store, conn: AsyncConnection,
     index's trigger makes each statement one) and at every row id lower than the last:
     rows sent one per statement, in any order, gave one segment per entry, which its
     merges then paid for (about 10x the cost of the entries themselves). Sorted and
-    grouped, a batch makes a few segments. PostgreSQL: an executemany."""
+    grouped, a batch makes a few segments. PostgreSQL: `insert_rows` (one COPY)."""
     if not rows:
         return
     if store.dialect != "sqlite":
-        await conn.execute(t.lexical_docs.insert(), rows)
+        await insert_rows(store, conn, t.lexical_docs, rows)
         return
     if store.vault is not None:
         rows = seal_columns(t.lexical_docs, rows, conn.dialect)

@@ -17,11 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.events import encode_json
 from ledger.forgets import Coordinates, Tombstone, covers
-from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
 from ledger.vault import Subject, subject, summary_key_id
-from projections.sql import chunks, insert_rows
+from projections.sql import any_of, batches, insert_rows, pairs_of
 from projections.tasks import Note, note_body, summarize
 
 
@@ -35,14 +34,14 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
-    for chunk in chunks(keys):
-        q = select(t.task_notes).where(pairs_in(tn.tenant, tn.task_key, chunk))
+    for chunk in batches(conn, keys):
+        q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk))
         for r in (await conn.execute(q)).all():
             body = _dec(r.body)
             by_task[(r.tenant, r.task_key)].append(
                 Note(r.position, r.tenant, r.task_key, r.type, bytes(r.order_key), body))
         q2 = select(to.tenant, to.task_key, to.ns_path).where(
-            pairs_in(to.tenant, to.task_key, chunk))
+            pairs_of(conn, to.tenant, to.task_key, chunk))
         owners.update({(r[0], r[1]): r[2] for r in (await conn.execute(q2)).all()})
     tombs_of: dict[str, list[Tombstone]] = {}
     for x in await store.tombstones(conn, {k[0] for k in keys}, upto=upto):
@@ -79,11 +78,12 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
                      "summary": summary})
     if vault is not None:
         vault.ensure(r["summary"].kid for r in rows if isinstance(r["summary"], Subject))
-    for chunk in chunks(erase, 500):
-        await conn.execute(update(t.task_notes).where(tn.position.in_(chunk))
+    for chunk in batches(conn, erase, 500):
+        await conn.execute(update(t.task_notes).where(any_of(conn, tn.position, chunk))
                            .values(body=None))
-    for chunk in chunks(keys):
-        await conn.execute(delete(t.tasks_view).where(pairs_in(tv.tenant, tv.task_key, chunk)))
+    for chunk in batches(conn, keys):
+        await conn.execute(delete(t.tasks_view).where(
+            pairs_of(conn, tv.tenant, tv.task_key, chunk)))
     await insert_rows(store, conn, t.tasks_view, rows)
 
 

@@ -59,7 +59,16 @@ from projections.embedding import (
 from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
-from projections.sql import chunks, insert_ignore, insert_rows, page_after, prepared
+from projections.sql import (
+    any_of,
+    batches,
+    chunks,
+    in_list,
+    insert_ignore,
+    insert_rows,
+    page_after,
+    prepared,
+)
 
 log = structlog.get_logger("memledger.vectors")
 
@@ -400,21 +409,21 @@ async def _slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots:
     out = set(slots)
     for ts in tombs:
         out.update(await covered_slots(conn, ts))
-    by_id = prepared("vectors.slots_of_ids", lambda: select(mv.slot).where(
-        mv.tenant == bindparam("tenant"), mv.memory_id.in_(bindparam("ids", expanding=True))))
+    dialect = conn.dialect.name
+    by_id = prepared(("vectors.slots_of_ids", dialect), lambda: select(mv.slot).where(
+        mv.tenant == bindparam("tenant"), in_list(conn, mv.memory_id, "ids")))
     for tenant, chunk in _by_tenant(mem_ids):
         out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
-                                                             "ids": chunk})).all())
+                                                             "ids": list(chunk)})).all())
     hop: set[tuple[str, str]] = set()
-    refs = prepared("vectors.slot_refs", lambda: select(
-        mv.tenant, mv.supersedes, mv.superseded_by).where(
-        mv.slot.in_(bindparam("slots", expanding=True))))
-    for chunk in chunks(sorted(out)):
-        for r in (await conn.execute(refs, {"slots": chunk})).all():
+    refs = prepared(("vectors.slot_refs", dialect), lambda: select(
+        mv.tenant, mv.supersedes, mv.superseded_by).where(in_list(conn, mv.slot, "slots")))
+    for chunk in batches(conn, sorted(out)):
+        for r in (await conn.execute(refs, {"slots": list(chunk)})).all():
             hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
     for tenant, chunk in _by_tenant(hop - mem_ids):
         out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
-                                                             "ids": chunk})).all())
+                                                             "ids": list(chunk)})).all())
     return out
 
 
@@ -422,20 +431,20 @@ async def memory_ids_of_slots(conn: AsyncConnection, slots: Iterable[str]
                               ) -> set[tuple[str, str]]:
     """(tenant, memory_id) of every version in those slots."""
     out: set[tuple[str, str]] = set()
-    for chunk in chunks(sorted(set(slots))):
-        out.update((r[0], r[1]) for r in (await conn.execute(_ids_of_slots(),
-                                                             {"slots": chunk})).all())
+    for chunk in batches(conn, sorted(set(slots))):
+        out.update((r[0], r[1]) for r in (await conn.execute(_ids_of_slots(conn),
+                                                             {"slots": list(chunk)})).all())
     return out
 
 
-def _ids_of_slots() -> Any:
+def _ids_of_slots(conn: AsyncConnection) -> Any:
     """(tenant, memory_id) of the `mem_versions` rows of the slots `:slots` (built once)."""
     mv = t.mem_versions.c
-    return prepared("vectors.ids_of_slots", lambda: select(mv.tenant, mv.memory_id).where(
-        mv.slot.in_(bindparam("slots", expanding=True))))
+    return prepared(("vectors.ids_of_slots", conn.dialect.name), lambda: select(
+        mv.tenant, mv.memory_id).where(in_list(conn, mv.slot, "slots")))
 
 
-def _slot_rows_query() -> Any:
+def _slot_rows_query(conn: AsyncConnection) -> Any:
     """Every `mem_versions` row of the slots `:slots` with the indexes' columns
     (`_MEMORY_COLUMNS`) and, last, `indexed`: 1 where an index holds it (active, not
     forgotten), else 0 (built once)."""
@@ -445,8 +454,8 @@ def _slot_rows_query() -> Any:
         keep = and_(mv.status == "active", not_forgotten())
         return select(*(getattr(mv, c) for c in _MEMORY_COLUMNS),
                       case((keep, 1), else_=0).label("indexed")).where(
-            mv.slot.in_(bindparam("slots", expanding=True)))
-    return prepared("vectors.slot_rows", build)
+            in_list(conn, mv.slot, "slots"))
+    return prepared(("vectors.slot_rows", conn.dialect.name), build)
 
 
 async def slot_rows(conn: AsyncConnection, slots: Iterable[str]) -> list[Any]:
@@ -460,8 +469,9 @@ async def slot_rows(conn: AsyncConnection, slots: Iterable[str]) -> list[Any]:
     if facts is not None and key in facts.views:
         return list(facts.views[key])
     rows: list[Any] = []
-    for chunk in chunks(sorted(wanted)):
-        rows.extend((await conn.execute(_slot_rows_query(), {"slots": chunk})).all())
+    for chunk in batches(conn, sorted(wanted)):
+        rows.extend((await conn.execute(_slot_rows_query(conn),
+                                        {"slots": list(chunk)})).all())
     if facts is not None:
         facts.views[key] = tuple(rows)
     return rows
@@ -647,11 +657,11 @@ class VectorProjection:
         every, wanted = await _memory_rows(conn, mem_ids, slots, tombs)
         if not every:
             return
-        gone = prepared("vectors.delete_memories", lambda: delete(t.vectors).where(
-            vc.tenant == bindparam("tenant"), vc.item_id.in_(bindparam("ids", expanding=True)),
-            vc.kind == "memory"))
+        gone = prepared(("vectors.delete_memories", conn.dialect.name), lambda: delete(
+            t.vectors).where(vc.tenant == bindparam("tenant"),
+                             in_list(conn, vc.item_id, "ids"), vc.kind == "memory"))
         for tenant, chunk in _by_tenant(every):
-            await conn.execute(gone, {"tenant": tenant, "ids": chunk})
+            await conn.execute(gone, {"tenant": tenant, "ids": list(chunk)})
         if not wanted:
             return
         await insert_rows(store, conn, t.vectors,
@@ -675,7 +685,7 @@ class VectorProjection:
                                       task_keys=[k for a, k in gone if a == tenant])
         for tenant, chunk in _by_tenant(tasks):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, vc.item_id.in_([TASK_PREFIX + k for k in chunk]),
+                vc.tenant == tenant, any_of(conn, vc.item_id, [TASK_PREFIX + k for k in chunk]),
                 vc.kind == "task"))
         wanted = await _task_rows(conn, tasks, ())
         if not wanted:
@@ -743,7 +753,7 @@ async def _task_rows(conn: AsyncConnection, tasks: set[tuple[str, str]],
     tasks = set(tasks) | await _covered_tasks(conn, tombs)
     wanted: list[Any] = []
     for tenant, chunk in _by_tenant(tasks):
-        q = _task_rows_query().where(tv.tenant == tenant, tv.task_key.in_(chunk))
+        q = _task_rows_query().where(tv.tenant == tenant, any_of(conn, tv.task_key, chunk))
         wanted.extend((await conn.execute(q)).all())
     return wanted
 

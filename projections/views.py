@@ -9,20 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, delete, select
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import covers_sql, tombstone_of
-from ledger.recorder import pairs_in
 from ledger.records import StoredEvent
 from ledger.store import Store
 from projections import bulk, rounds
 from projections.memory import WriteFact, fact_from_row, marks_of, view_columns, write_fact
 from projections.protocol import State
 from projections.slots import covered_slots, mark_row, resolve_slots
-from projections.sql import chunks, insert_rows, prepared
+from projections.sql import batches, in_list, insert_rows, pairs_of, prepared
 from projections.task_rows import note_row, summarize_tasks
 
 FORGETS = ("memory.forgotten", "task.purged")
@@ -56,11 +55,12 @@ class MemoryProjection:
         # Slots reached through marks: targets, and the targets of confirmed candidates.
         targets = {(m.tenant, m.target) for m in marks}
         confirmed_now = [(m.tenant, m.target) for m in marks if m.kind == "confirmed"]
-        for chunk in chunks(sorted(confirmed_now)):
-            q = select(mk.tenant, mk.target).where(pairs_in(mk.tenant, mk.via_candidate, chunk))
+        for chunk in batches(conn, sorted(confirmed_now)):
+            q = select(mk.tenant, mk.target).where(
+                pairs_of(conn, mk.tenant, mk.via_candidate, chunk))
             targets.update((r[0], r[1]) for r in (await conn.execute(q)).all())
-        for chunk in chunks(sorted(targets)):
-            q = select(mv.slot).where(pairs_in(mv.tenant, mv.memory_id, chunk))
+        for chunk in batches(conn, sorted(targets)):
+            q = select(mv.slot).where(pairs_of(conn, mv.tenant, mv.memory_id, chunk))
             slots.update(r[0] for r in (await conn.execute(q)).all())
         for se in forgets:
             ts = next((x for x in tombs if x.position == se.position), None)
@@ -71,15 +71,15 @@ class MemoryProjection:
         slot_list = sorted(slots)
         existing: dict[str, list[WriteFact]] = {}
         new_ids = {(w.tenant, w.memory_id) for w in writes}
-        for chunk in chunks(slot_list):
-            for r in (await conn.execute(_rows_of_slots(), {"slots": chunk})).all():
+        for chunk in batches(conn, slot_list):
+            for r in (await conn.execute(_rows_of_slots(conn), {"slots": list(chunk)})).all():
                 if (r.tenant, r.memory_id) not in new_ids:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:
             existing.setdefault(w.slot, []).append(w)
         rows = await resolve_slots(conn, existing, tombs)
-        for chunk in chunks(slot_list, 500):
-            await conn.execute(_delete_slots(), {"slots": chunk})
+        for chunk in batches(conn, slot_list, 500):
+            await conn.execute(_delete_slots(conn), {"slots": list(chunk)})
         await insert_rows(store, conn, t.mem_versions, rows)
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: State,
@@ -88,18 +88,18 @@ class MemoryProjection:
         return await bulk.memories_step(store, conn, state, size)
 
 
-def _rows_of_slots() -> Any:
+def _rows_of_slots(conn: AsyncConnection) -> Any:
     """Every `mem_versions` row of the slots `:slots` (built once: `prepared`)."""
     mv = t.mem_versions.c
-    return prepared("views.rows_of_slots", lambda: select(*view_columns(t.mem_versions))
-                    .where(mv.slot.in_(bindparam("slots", expanding=True))))
+    return prepared(("views.rows_of_slots", conn.dialect.name), lambda: select(
+        *view_columns(t.mem_versions)).where(in_list(conn, mv.slot, "slots")))
 
 
-def _delete_slots() -> Any:
+def _delete_slots(conn: AsyncConnection) -> Any:
     """DELETE the `mem_versions` rows of the slots `:slots` (built once)."""
     mv = t.mem_versions.c
-    return prepared("views.delete_slots", lambda: delete(t.mem_versions).where(
-        mv.slot.in_(bindparam("slots", expanding=True))))
+    return prepared(("views.delete_slots", conn.dialect.name), lambda: delete(
+        t.mem_versions).where(in_list(conn, mv.slot, "slots")))
 
 
 class TaskProjection:

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final, cast
 
 import asyncpg
 import structlog
 from sqlalchemy import Select, String, Table, Text, event, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DatabaseError, DBAPIError, DisconnectionError, IntegrityError
+from sqlalchemy.exc import (
+    DatabaseError,
+    DBAPIError,
+    DisconnectionError,
+    IntegrityError,
+    ProgrammingError,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 
@@ -36,6 +45,7 @@ from ledger.recorder import (
     raise_translated,
     short_error,
 )
+from ledger.vault import seal_columns
 
 log = structlog.get_logger("memledger.ledger")
 
@@ -312,19 +322,38 @@ class PostgresRecorder(Recorder):
             self.vault.seal_rows(rows)
         if not rows:
             return
-        raw = await conn.get_raw_connection()
-        driver = raw.driver_connection
-        assert driver is not None
-        try:
+        driver = await _driver_of(conn)
+        async with _driver_errors(conn, "COPY events"):
             await driver.copy_records_to_table(
                 "events", records=list(map(EVENT_TUPLE, rows)), columns=EVENT_COLUMNS)
-        except asyncpg.IntegrityConstraintViolationError as e:
-            raise IntegrityError("COPY events", None, e) from e
-        except _CONNECTION_LOST as e:
-            await conn.invalidate()
-            raise DBAPIError("COPY events", None, e, connection_invalidated=True) from e
-        except asyncpg.PostgresError as e:
-            raise DBAPIError("COPY events", None, e) from e
+
+    async def write_rows(self, conn: AsyncConnection, table: Table,
+                         rows: Sequence[dict[str, Any]], *, ignore: bool = False) -> None:
+        """View rows go to the write transaction's own asyncpg connection as tuples:
+        by `COPY ... FROM STDIN` (binary), or, to skip existing keys (`ignore`) or for a
+        few rows, as one `INSERT ... SELECT FROM unnest(<one array per column>)`. Either
+        is one statement for the whole batch instead of an `executemany`, and skips
+        SQLAlchemy's per-row parameter processing, which cost more than the server's
+        insert (docs/benchmarks.md, "PostgreSQL projection, set-based (issue 20)").
+        Sealed view columns are sealed first, as their column types would."""
+        if not rows:
+            return
+        driver = await _driver_of(conn)
+        if not driver.is_in_transaction():
+            # Outside a transaction the driver would commit on its own: only the
+            # generic path keeps SQLAlchemy's transaction rules.
+            await super().write_rows(conn, table, rows, ignore=ignore)
+            return
+        plan = _row_plan(table)
+        records = list(map(plan.values, seal_columns(table, rows, conn.dialect)))
+        if ignore or len(records) < COPY_MIN_ROWS:
+            sql = plan.unnest_ignore if ignore else plan.unnest
+            async with _driver_errors(conn, sql):
+                await driver.execute(sql, *map(list, zip(*records, strict=True)))
+        else:
+            async with _driver_errors(conn, f"COPY {table.name}"):
+                await driver.copy_records_to_table(table.name, records=records,
+                                                   columns=plan.columns)
 
     async def known_keys(self, conn: AsyncConnection, keys: Sequence[tuple[str, str]]
                          ) -> list[tuple[str, str, str, int, bool]]:
@@ -521,16 +550,16 @@ class PostgresRecorder(Recorder):
             return
         unknown = [n for n in names if n not in self._analyzed_rows]
         due: list[str] = []
+        for name in names:
+            self._grown[name] = self._grown.get(name, 0) + rows
+        if not unknown and not self._due(names):
+            return  # the common case: no connection, no statement
         try:
             async with self.engine.connect() as c0:
                 conn = await c0.execution_options(isolation_level="AUTOCOMMIT")
                 if unknown:
                     await self._read_reltuples(conn, unknown)
-                for name in names:
-                    self._grown[name] = self._grown.get(name, 0) + rows
-                    if self._grown[name] >= max(STATS_MIN_ROWS,
-                                                STATS_GROWTH * self._analyzed_rows[name]):
-                        due.append(name)
+                due = self._due(names)
                 if not due:
                     return
                 await conn.execute(text(f"SET lock_timeout = '{STATS_LOCK_TIMEOUT}'"))
@@ -546,6 +575,11 @@ class PostgresRecorder(Recorder):
             # too long, a role that may not) is retried after the next writes.
             log.warning("statistics_refresh_failed", tables=due, error=short_error(e))
 
+    def _due(self, names: list[str]) -> list[str]:
+        """The tables (of those whose size is known) grown enough for an ANALYZE."""
+        return [n for n in names if n in self._analyzed_rows and self._grown[n] >= max(
+            STATS_MIN_ROWS, STATS_GROWTH * self._analyzed_rows[n])]
+
     async def _read_reltuples(self, conn: AsyncConnection, names: list[str]) -> None:
         q = text("SELECT relname, reltuples FROM pg_class WHERE relname = ANY(:names) "
                  "AND relkind = 'r' AND pg_table_is_visible(oid)")
@@ -559,6 +593,66 @@ class PostgresRecorder(Recorder):
                  "WHERE relname = ANY(:names)")
         return {r[0]: int(r[1]) for r in
                 (await conn.execute(q, {"names": list(CONTENT_TABLES)})).all()}
+
+
+#: Below this many rows `write_rows` sends one INSERT over arrays instead of a COPY,
+#: whose protocol costs a second round trip (an audit row, a batch of few changes).
+COPY_MIN_ROWS: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class _RowPlan:
+    """How `write_rows` sends one table's rows: column order, a dict-to-tuple getter, and
+    the INSERTs over one array per column (plain and skipping existing keys)."""
+
+    columns: tuple[str, ...]
+    values: Callable[[dict[str, Any]], tuple[Any, ...]]
+    unnest: str
+    unnest_ignore: str
+
+
+_ROW_PLANS: dict[str, _RowPlan] = {}
+
+
+def _row_plan(table: Table) -> _RowPlan:
+    got = _ROW_PLANS.get(table.name)
+    if got is None:
+        dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+        cols = tuple(c.name for c in table.c)
+        arrays = ", ".join(f"${i}::{c.type.compile(dialect=dialect)}[]"
+                           for i, c in enumerate(table.c, start=1))
+        sql = f"INSERT INTO {table.name} ({', '.join(cols)}) SELECT * FROM unnest({arrays})"
+        got = _ROW_PLANS[table.name] = _RowPlan(cols, operator.itemgetter(*cols), sql,
+                                                sql + " ON CONFLICT DO NOTHING")
+    return got
+
+
+async def _driver_of(conn: AsyncConnection) -> Any:
+    """The asyncpg connection under `conn` (in its transaction, once one has begun)."""
+    raw = await conn.get_raw_connection()
+    driver = raw.driver_connection
+    assert driver is not None
+    return driver
+
+
+@asynccontextmanager
+async def _driver_errors(conn: AsyncConnection, statement: str) -> AsyncIterator[None]:
+    """Driver errors of a statement sent to asyncpg directly, as the SQLAlchemy errors
+    the same statement through the engine raises (its asyncpg adapter's mapping: key
+    violations are IntegrityError, syntax and access ProgrammingError, the rest of the
+    server's errors DBAPIError); the quarantine tells an event's fault from the
+    database's by them (`projections.quarantine.is_poison`)."""
+    try:
+        yield
+    except asyncpg.IntegrityConstraintViolationError as e:
+        raise IntegrityError(statement, None, e) from e
+    except asyncpg.exceptions.SyntaxOrAccessError as e:
+        raise ProgrammingError(statement, None, e) from e
+    except _CONNECTION_LOST as e:
+        await conn.invalidate()
+        raise DBAPIError(statement, None, e, connection_invalidated=True) from e
+    except asyncpg.PostgresError as e:
+        raise DBAPIError(statement, None, e) from e
 
 
 def _sqlstate(e: DBAPIError) -> str | None:
