@@ -78,7 +78,7 @@ MAX_QUERY_TERMS: Final = 32
 #: A query term in more than this fraction of the index's entries is dropped (its BM25
 #: IDF is next to nothing, and matching it costs a score per entry). Chosen on the
 #: LoCoMo development split (docs/recall.md, "The lexical arm's cost").
-MAX_DF_FRACTION: Final = 0.05
+MAX_DF_FRACTION: Final = 0.03
 #: Below this many entries no term is dropped (fractions of a few entries mean nothing).
 MIN_DF_DOCS: Final = 50
 #: FTS5's best `FTS_FACTOR x k` entries are joined to their rows, of which `k` are kept
