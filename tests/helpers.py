@@ -46,6 +46,20 @@ async def fresh_replay(store: Store, tmp_path: Path, name: str = "fresh", *,
     return fresh
 
 
+#: The views a write touches: what `assert_views_replay` compares by default.
+WRITE_VIEWS: tuple[Any, ...] = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
+
+
+async def assert_views_replay(store: Store, tmp_path: Path,
+                              tables: tuple[Any, ...] = WRITE_VIEWS) -> None:
+    """Every view of `tables` equals a fresh replay of the store's ledger (R14)."""
+    fresh = await fresh_replay(store, tmp_path)
+    try:
+        assert await dump_views(store, tables) == await dump_views(fresh, tables)
+    finally:
+        await fresh.close()
+
+
 async def sealed_key_ids(store: Store) -> dict[str, str]:
     """Idempotency key -> the key id its sealed payload names (a pool key, or the
     derived id of a ledger sealed before the pool)."""

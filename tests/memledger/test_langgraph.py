@@ -190,17 +190,12 @@ async def _assert_poison_held_and_views_replayed(store: Any, tmp_path: Path,
     """Only the poison event is quarantined (for the vectors view alone) and every view
     equals a fresh replay of the ledger."""
     from ledger import schema as t
-    from tests.helpers import dump_views, fresh_replay
+    from tests.helpers import assert_views_replay
 
     async with store.read() as conn:
         held = (await conn.execute(t.quarantine.select())).all()
     assert [(r.projection, r.position) for r in held] == [("vectors", poison_at)]
-    fresh = await fresh_replay(store, tmp_path)
-    try:
-        tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
-        assert await dump_views(store, tables) == await dump_views(fresh, tables)
-    finally:
-        await fresh.close()
+    await assert_views_replay(store, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["python", "database"])

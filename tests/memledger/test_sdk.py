@@ -299,7 +299,7 @@ async def test_sdk_writes_in_one_hand_off_and_audits_before_returning(
     from sqlalchemy import select
 
     from ledger import schema as t
-    from tests.helpers import dump_views, fresh_replay
+    from tests.helpers import assert_views_replay
 
     async with memledger.MemoryLedger(db_url, register_path=register_path,
                                       inline_writes=inline) as ml:
@@ -331,9 +331,4 @@ async def test_sdk_writes_in_one_hand_off_and_audits_before_returning(
             audited = (await conn.execute(select(t.recall_audit_items.c.memory_id).where(
                 t.recall_audit_items.c.audit_id == ctx.audit_id))).all()
         assert sorted(r[0] for r in audited) == sorted(i.memory.memory_id for i in ctx.items)
-        fresh = await fresh_replay(store, tmp_path)
-        try:
-            tables = (t.mem_versions, t.tasks_view, t.mem_history, t.lexical_docs)
-            assert await dump_views(store, tables) == await dump_views(fresh, tables)
-        finally:
-            await fresh.close()
+        await assert_views_replay(store, tmp_path)
