@@ -34,13 +34,13 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from sqlalchemy import and_, bindparam, or_, select, update
+from sqlalchemy import ARRAY, BigInteger, String, and_, bindparam, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES
 from ledger.forgets import Coordinates, Tombstone, covers, covers_sql
-from ledger.recorder import STORED_COLUMNS, pairs_in
+from ledger.recorder import STORED_COLUMNS
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
@@ -49,7 +49,16 @@ from projections.embed_cache import lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
-from projections.sql import chunks, fetch, insert_rows, one_tenant, prepared
+from projections.sql import (
+    any_of,
+    batches,
+    fetch,
+    in_list,
+    insert_rows,
+    one_tenant,
+    pairs_of,
+    prepared,
+)
 from projections.vectors import embedder_named, memory_text, resolve_embedder, to_blob
 
 FORGETS: Final = ("memory.forgotten", "task.purged")
@@ -85,9 +94,10 @@ async def marks_upto(conn: AsyncConnection, tenant: str, ids: Iterable[str], upt
         return []
     mk = t.mem_marks.c
     out: list[Mark] = []
-    parts = [ids_sql] if ids_sql is not None and len(wanted) > MANY else chunks(wanted)
-    for chunk in parts:
-        q = select(t.mem_marks).where(mk.tenant == tenant, mk.target.in_(chunk),
+    parts = ([mk.target.in_(ids_sql)] if ids_sql is not None and len(wanted) > MANY
+             else [any_of(conn, mk.target, chunk) for chunk in batches(conn, wanted)])
+    for aimed in parts:
+        q = select(t.mem_marks).where(mk.tenant == tenant, aimed,
                                       mk.position <= min(upto, done))
         out.extend(_mark_of_row(r) for r in (await conn.execute(q)).all())
     if upto > done:  # positions the view has not applied yet: from the ledger itself
@@ -244,12 +254,37 @@ class HistoryProjection:
 
 async def _close(store: Store, conn: AsyncConnection, closed: Sequence[dict[str, Any]]
                  ) -> None:
-    """Close open rows (by primary key) at the positions given."""
+    """Close open rows (by primary key) at the positions given.
+
+    PostgreSQL: one `UPDATE ... FROM unnest(...)` of one array per key column (a
+    statement built once): an executemany costs SQLAlchemy's parameter processing per
+    row and the server one execution per row. Elsewhere an executemany by key."""
     mh = t.mem_history.c
+    if conn.dialect.name == "postgresql":
+        await conn.execute(prepared("history.close.pg", _close_pg), {
+            "tenants": [r["k_tenant"] for r in closed],
+            "ids": [r["k_memory_id"] for r in closed],
+            "froms": [r["k_valid_from"] for r in closed],
+            "tos": [r["k_valid_to"] for r in closed]})
+        return
     await conn.execute(update(t.mem_history).where(
         mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
         mh.valid_from == bindparam("k_valid_from")).values(
         valid_to=bindparam("k_valid_to")), closed)
+
+
+def _close_pg() -> Any:
+    """PostgreSQL: UPDATE `mem_history` rows by primary key (`:tenants`, `:ids`,
+    `:froms`, arrays of one row each) setting `valid_to` from `:tos`."""
+    mh = t.mem_history.c
+    keys = func.unnest(bindparam("tenants", type_=ARRAY(String)),
+                       bindparam("ids", type_=ARRAY(String)),
+                       bindparam("froms", type_=ARRAY(BigInteger)),
+                       bindparam("tos", type_=ARRAY(BigInteger))).table_valued(
+        "tenant", "memory_id", "valid_from", "valid_to").render_derived()
+    return update(t.mem_history).where(
+        mh.tenant == keys.c.tenant, mh.memory_id == keys.c.memory_id,
+        mh.valid_from == keys.c.valid_from).values(valid_to=keys.c.valid_to)
 
 
 def _by_slot(rows: Iterable[Any], tenant_of: dict[str, str]) -> Iterable[Any]:
@@ -281,15 +316,15 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
         if m.kind == "confirmed":
             confirms.setdefault((m.tenant, m.target), set()).add(m.position)
     # A confirmed candidate's `supersedes` starts to count: its target's slot changes.
-    for chunk in chunks(sorted(confirms)):
+    for chunk in batches(conn, sorted(confirms)):
         q = select(ev.tenant, ev.memory_id, ev.supersedes).where(
-            pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
+            pairs_of(conn, ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
             ev.supersedes.is_not(None), ev.position <= hi)
         for tenant, mid, sup in (await conn.execute(q)).all():
             aims.setdefault((tenant, sup), set()).update(confirms[(tenant, mid)])
-    for chunk in chunks(sorted(aims)):
+    for chunk in batches(conn, sorted(aims)):
         q = select(ev.tenant, ev.memory_id, ev.slot).where(
-            pairs_in(ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
+            pairs_of(conn, ev.tenant, ev.memory_id, chunk), ev.type.in_(writes_t),
             ev.position <= hi)
         for tenant, mid, slot in (await conn.execute(q)).all():
             at.setdefault(slot, set()).update(aims[(tenant, mid)])
@@ -307,14 +342,16 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
     slots = sorted(at)
     facts: dict[str, list[WriteFact]] = {}
     erased: set[tuple[str, str]] = set()
-    q = prepared("history.slot_writes", lambda: select(
+    dialect = conn.dialect.name
+    q = prepared(("history.slot_writes", dialect), lambda: select(
         *[keyed(ev[c]) if c == "payload" else ev[c] for c in WRITE_COLUMNS]).where(
-        ev.slot.in_(bindparam("slots", expanding=True)), ev.type.in_(writes_t),
+        in_list(conn, ev.slot, "slots"), ev.type.in_(writes_t),
         ev.position <= bindparam("hi")))
-    q2 = prepared("history.open_rows", lambda: select(
+    q2 = prepared(("history.open_rows", dialect), lambda: select(
         mh.tenant, mh.slot, mh.memory_id, mh.valid_from, *[mh[c] for c in _STATE]).where(
-        mh.slot.in_(bindparam("slots", expanding=True)), mh.valid_to.is_(None)))
-    for chunk in chunks(slots):
+        in_list(conn, mh.slot, "slots"), mh.valid_to.is_(None)))
+    for part in batches(conn, slots):
+        chunk = list(part)
         for r in _by_slot((await conn.execute(q, {"slots": chunk, "hi": hi})).all(),
                           tenant_of):
             f, gone = fact_of_row(r)
@@ -372,17 +409,18 @@ async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: in
         return []
     mk = t.mem_marks.c
     out: list[Mark] = []
-    one = prepared("history.marks", lambda: select(t.mem_marks).where(
-        mk.tenant == bindparam("tenant"), mk.target.in_(bindparam("ids", expanding=True)),
+    one = prepared(("history.marks", conn.dialect.name), lambda: select(t.mem_marks).where(
+        mk.tenant == bindparam("tenant"), in_list(conn, mk.target, "ids"),
         mk.position <= bindparam("upto")))
-    for chunk in chunks(wanted):
+    for chunk in batches(conn, wanted):
         alone = one_tenant(chunk)
         if alone is not None:  # one tenant: the statement built once
             rows = (await conn.execute(one, {"tenant": alone[0], "ids": alone[1],
                                              "upto": min(upto, done)})).all()
         else:
             rows = (await conn.execute(select(t.mem_marks).where(
-                pairs_in(mk.tenant, mk.target, chunk), mk.position <= min(upto, done)))).all()
+                pairs_of(conn, mk.tenant, mk.target, chunk),
+                mk.position <= min(upto, done)))).all()
         out.extend(_mark_of_row(r) for r in rows)
     if upto > done:  # positions the view has not applied yet: from the ledger itself
         tenants = sorted({tenant for tenant, _ in wanted})
@@ -390,11 +428,12 @@ async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: in
     return out
 
 
-def _vectors_of(table: Any, ident: Any, extra: Sequence[Any]) -> Any:
+def _vectors_of(conn: AsyncConnection, table: Any, ident: Any, extra: Sequence[Any]) -> Any:
     """SELECT (tenant, id, vector) of `table` for the tenant `:tenant`, the ids `:ids`
-    and the model `:model` (`_embed`'s one-tenant statement)."""
+    and the model `:model` (`_embed`'s one-tenant statement; `in_list`: build it once per
+    dialect)."""
     return select(table.c.tenant, ident, table.c.vector).where(
-        table.c.tenant == bindparam("tenant"), ident.in_(bindparam("ids", expanding=True)),
+        table.c.tenant == bindparam("tenant"), in_list(conn, ident, "ids"),
         table.c.model == bindparam("model"), *extra)
 
 
@@ -415,16 +454,16 @@ async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, A
     vc, mh = t.vectors.c, t.mem_history.c
     for table, ident, extra in ((t.vectors, vc.item_id, (vc.kind == "memory",)),
                                 (t.mem_history, mh.memory_id, (mh.vector.is_not(None),))):
-        for chunk in chunks([k for k in pairs if k not in known]):
+        for chunk in batches(conn, [k for k in pairs if k not in known]):
             alone = one_tenant(chunk)
             if alone is not None:  # one tenant: a statement built once per table
-                q = prepared(("history.vectors_of", table.name), functools.partial(
-                    _vectors_of, table, ident, extra))
+                q = prepared(("history.vectors_of", table.name, conn.dialect.name),
+                             functools.partial(_vectors_of, conn, table, ident, extra))
                 got: Iterable[Any] = (await conn.execute(q, {
                     "tenant": alone[0], "ids": alone[1], "model": emb.name})).all()
             else:
                 got = await fetch(store, conn, select(table.c.tenant, ident, table.c.vector)
-                                  .where(pairs_in(table.c.tenant, ident, chunk),
+                                  .where(pairs_of(conn, table.c.tenant, ident, chunk),
                                          table.c.model == emb.name, *extra))
             for tenant, mid, vec in got:
                 known[(tenant, mid)] = bytes(vec)

@@ -52,13 +52,17 @@ from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
 from projections.sql import (
+    batches,
     chunks,
+    in_list,
     lexical_delete,
     lexical_hits,
     lexical_insert,
     lexical_merge,
     lexical_term_shares,
+    one_tenant,
     page_after,
+    pairs_of,
     prefix_match,
     prefix_range,
     prepared,
@@ -204,16 +208,12 @@ class LexicalProjection:
         # (a full-text delete and insert of it would cost as much as a new entry).
         new = {(d["tenant"], d["item_id"]): d for d in doc_rows(wanted)}
         stale: list[int] = []
-        held = prepared("lexical.entries", lambda: select(*[ld[c] for c in _DOC_COLUMNS])
-                        .where(ld.tenant == bindparam("tenant"),
-                               ld.item_id.in_(bindparam("ids", expanding=True))))
-        for tenant, part in _by_tenant(every):
-            for r in (await conn.execute(held, {"tenant": tenant, "ids": part})).all():
-                have = dict(zip(_DOC_COLUMNS, r, strict=True))
-                if new.get((r.tenant, r.item_id)) == have:
-                    del new[(r.tenant, r.item_id)]
-                else:
-                    stale.append(int(r.docid))
+        for r in await _entries(conn, every):
+            have = dict(zip(_DOC_COLUMNS, r, strict=True))
+            if new.get((r.tenant, r.item_id)) == have:
+                del new[(r.tenant, r.item_id)]
+            else:
+                stale.append(int(r.docid))
         await lexical_delete(store, conn, stale)
         await lexical_insert(store, conn, list(new.values()))
         if tombs:
@@ -222,6 +222,31 @@ class LexicalProjection:
 
 #: Every column of `lexical_docs`, as `doc_rows` gives them.
 _DOC_COLUMNS: Final = tuple(c.name for c in t.lexical_docs.c)
+
+
+async def _entries(conn: AsyncConnection, pairs: set[tuple[str, str]]) -> list[Any]:
+    """The `lexical_docs` rows (every column) of these (tenant, item id)s.
+
+    SQLite: per tenant, `tenant = ? AND item_id IN (...)` in chunks (the primary key on
+    both columns; a row-value IN would scan). PostgreSQL: one statement for them all,
+    over arrays (`in_list` for one tenant, else `pairs_of`)."""
+    ld = t.lexical_docs.c
+    held = prepared(("lexical.entries", conn.dialect.name), lambda: select(
+        *[ld[c] for c in _DOC_COLUMNS]).where(ld.tenant == bindparam("tenant"),
+                                              in_list(conn, ld.item_id, "ids")))
+    rows: list[Any] = []
+    if conn.dialect.name != "postgresql":
+        for tenant, part in _by_tenant(pairs):
+            rows += (await conn.execute(held, {"tenant": tenant, "ids": part})).all()
+        return rows
+    for chunk in batches(conn, sorted(pairs)):
+        alone = one_tenant(chunk)
+        if alone is not None:
+            rows += (await conn.execute(held, {"tenant": alone[0], "ids": alone[1]})).all()
+        else:
+            rows += (await conn.execute(select(*[ld[c] for c in _DOC_COLUMNS]).where(
+                pairs_of(conn, ld.tenant, ld.item_id, chunk)))).all()
+    return rows
 
 
 def _by_tenant(pairs: set[tuple[str, str]]) -> list[tuple[str, Sequence[str]]]:

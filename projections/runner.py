@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import orjson
 import structlog
-from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy import bindparam, delete, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -174,16 +174,24 @@ class Runner:
                 moved = await self._bulk_step(proj, conn, size, proj.tables)
                 if moved is not None:
                     return moved
-            end = upto if upto is not None else await self.store.head(conn)
+            sc = t.shard_checkpoints.c
+            facts = (await _step_facts(conn, proj.name, position, size)
+                     if self.store.dialect == "postgresql" else None)
+            held: set[int] | None = None
+            if facts is not None:
+                head, ahead, count, held = facts
+                end = upto if upto is not None else head
+            else:
+                end = upto if upto is not None else await self.store.head(conn)
             if end <= position:
                 self._left[proj.name] = position
                 return 0
-            # Shards that moved on their own (`_step_shards`) are past the base: their
-            # events up to their row are applied already.
-            sc = t.shard_checkpoints.c
-            ahead = {int(r[0]): int(r[1]) for r in (await conn.execute(
-                select(sc.shard, sc.position).where(sc.projection == proj.name))).all()}
-            count = await shards.shard_count(conn)
+            if facts is None:
+                # Shards that moved on their own (`_step_shards`) are past the base:
+                # their events up to their row are applied already.
+                ahead = {int(r[0]): int(r[1]) for r in (await conn.execute(
+                    select(sc.shard, sc.position).where(sc.projection == proj.name))).all()}
+                count = await shards.shard_count(conn)
             # Positions are gap-free, so a batch is a range of positions; a projection
             # that names its event types reads only those, and still moves past the rest.
             hi = min(position + size, end)
@@ -194,7 +202,7 @@ class Runner:
                     shards.shard_of(se.tenant, count), position)]
             started = time.perf_counter()
             failed = await self._apply_held(proj, conn, batch, position, hi,
-                                            shards.Scope(count))
+                                            shards.Scope(count), held)
             await conn.execute(update(t.checkpoints).where(cp.name == proj.name)
                                .values(position=hi, updated_at=time.time()))
             if ahead:
@@ -266,12 +274,15 @@ class Runner:
 
     async def _apply_held(self, proj: Projection, conn: AsyncConnection,
                           batch: list[StoredEvent], after: int, upto: int,
-                          scope: shards.Scope) -> list[Failure]:
+                          scope: shards.Scope, held: set[int] | None = None
+                          ) -> list[Failure]:
         """Apply a batch (minus what is quarantined for this view) in the shard scope;
-        record what fails alone. Returns the failures."""
+        record what fails alone. Returns the failures. `held`: the view's quarantined
+        positions, read already (any superset of those in (`after`, `upto`])."""
         # Events already quarantined for this view (its checkpoint was moved back,
         # or a scratch replay mirrors a live one) stay skipped until retried.
-        held = await quarantine.held_positions(conn, proj.name, after, upto)
+        if held is None:
+            held = await quarantine.held_positions(conn, proj.name, after, upto)
         if held:
             batch[:] = [se for se in batch if se.position not in held]
         with shards.in_scope(scope):
@@ -602,6 +613,39 @@ class Runner:
             return await shards.low_watermarks(conn, names)
         at = await shards.shard_positions(conn, names, count, owned)
         return {n: min(at[n].values()) for n in names}
+
+
+#: PostgreSQL: what a step reads once it holds the checkpoint row (`_step_facts`).
+_STEP_FACTS: Final = text(
+    "SELECT (SELECT max(position) FROM events), "
+    "(SELECT value FROM meta WHERE name = :shards_meta), "
+    "(SELECT array_agg(shard ORDER BY shard) FROM shard_checkpoints "
+    "WHERE projection = :name), "
+    "(SELECT array_agg(position ORDER BY shard) FROM shard_checkpoints "
+    "WHERE projection = :name), "
+    "(SELECT array_agg(position ORDER BY position) FROM quarantine "
+    "WHERE projection = :name AND position > :after AND position <= :upto)")
+
+
+async def _step_facts(conn: AsyncConnection, name: str, position: int, size: int
+                      ) -> tuple[int, dict[int, int], int, set[int]]:
+    """PostgreSQL, in the step's transaction after the checkpoint row is locked: the
+    ledger's head, the projection's shard checkpoints (`{shard: position}`), the shard
+    count and its quarantined positions in (`position`, `position + size`], in ONE
+    statement instead of four (`Store.head`, the shard rows, `shards.shard_count`,
+    `quarantine.held_positions`). It must be a statement of its own after the locking
+    SELECT (under READ COMMITTED a statement sees the rows committed before it
+    started; the locking one may have waited). Each of these rows changes only under
+    the checkpoint row's lock (shard runners hold it in share mode, `shards set` and
+    the quarantine's writers exclusively) or, the head, only grows: the same values
+    the four statements read."""
+    row = (await conn.execute(_STEP_FACTS, {
+        "shards_meta": shards.SHARDS_META, "name": name, "after": position,
+        "upto": position + size})).one()
+    head, count, ks, ps, held = row
+    return (int(head or 0), dict(zip(map(int, ks or ()), map(int, ps or ()), strict=True)),
+            int(count) if count is not None else shards.DEFAULT_SHARDS,
+            set(map(int, held or ())))
 
 
 async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:

@@ -406,11 +406,12 @@ async def lexical_insert(store: Store, conn: AsyncConnection,
 
 async def lexical_delete(store: Store, conn: AsyncConnection, docids: Iterable[int]) -> None:
     """Delete `lexical_docs` entries by full-text row id (their FTS5 entries go with
-    them, by trigger), in row id order and many per statement (`lexical_insert`)."""
+    them, by trigger), in row id order and many per statement (`lexical_insert`);
+    PostgreSQL: one statement over an array (`any_of`)."""
     ordered = sorted(set(docids))
     ld = t.lexical_docs.c
-    for part in chunks(ordered, 400):
-        await conn.execute(t.lexical_docs.delete().where(ld.docid.in_(part)))
+    for part in batches(conn, ordered, 400):
+        await conn.execute(t.lexical_docs.delete().where(any_of(conn, ld.docid, part)))
 
 
 async def lexical_merge(store: Store, conn: AsyncConnection) -> None:

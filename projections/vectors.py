@@ -66,7 +66,9 @@ from projections.sql import (
     in_list,
     insert_ignore,
     insert_rows,
+    one_tenant,
     page_after,
+    pairs_of,
     prepared,
 )
 
@@ -412,18 +414,35 @@ async def _slots_of(conn: AsyncConnection, mem_ids: set[tuple[str, str]], slots:
     dialect = conn.dialect.name
     by_id = prepared(("vectors.slots_of_ids", dialect), lambda: select(mv.slot).where(
         mv.tenant == bindparam("tenant"), in_list(conn, mv.memory_id, "ids")))
-    for tenant, chunk in _by_tenant(mem_ids):
-        out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
-                                                             "ids": list(chunk)})).all())
+    out.update(await _slots_of_ids(conn, by_id, mem_ids))
     hop: set[tuple[str, str]] = set()
     refs = prepared(("vectors.slot_refs", dialect), lambda: select(
         mv.tenant, mv.supersedes, mv.superseded_by).where(in_list(conn, mv.slot, "slots")))
     for chunk in batches(conn, sorted(out)):
         for r in (await conn.execute(refs, {"slots": list(chunk)})).all():
             hop.update((r.tenant, x) for x in (r.supersedes, r.superseded_by) if x)
-    for tenant, chunk in _by_tenant(hop - mem_ids):
-        out.update(r[0] for r in (await conn.execute(by_id, {"tenant": tenant,
-                                                             "ids": list(chunk)})).all())
+    out.update(await _slots_of_ids(conn, by_id, hop - mem_ids))
+    return out
+
+
+async def _slots_of_ids(conn: AsyncConnection, by_id: Any, ids: set[tuple[str, str]]
+                        ) -> set[str]:
+    """The slots of these (tenant, memory id)s: per tenant by `by_id` (`tenant = ? AND
+    memory_id IN (...)`, the primary key) in chunks; on PostgreSQL one statement for
+    them all over arrays (`by_id` for one tenant, else `pairs_of`)."""
+    out: set[str] = set()
+    if conn.dialect.name != "postgresql":
+        for tenant, chunk in _by_tenant(ids):
+            out.update(r[0] for r in (await conn.execute(by_id, {
+                "tenant": tenant, "ids": list(chunk)})).all())
+        return out
+    mv = t.mem_versions.c
+    for part in batches(conn, sorted(ids)):
+        alone = one_tenant(part)
+        q = (by_id if alone is not None else
+             select(mv.slot).where(pairs_of(conn, mv.tenant, mv.memory_id, part)))
+        params = {"tenant": alone[0], "ids": alone[1]} if alone is not None else {}
+        out.update(r[0] for r in (await conn.execute(q, params)).all())
     return out
 
 

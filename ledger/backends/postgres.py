@@ -562,11 +562,15 @@ class PostgresRecorder(Recorder):
                 due = self._due(names)
                 if not due:
                     return
-                await conn.execute(text(f"SET lock_timeout = '{STATS_LOCK_TIMEOUT}'"))
-                await conn.exec_driver_sql("ANALYZE " + ", ".join(
+                # One round trip (a simple-protocol query string, which the server runs
+                # as one implicit transaction): if ANALYZE fails, its SET is rolled
+                # back with it, so the pooled connection keeps its own lock_timeout.
+                script = (f"SET lock_timeout = '{STATS_LOCK_TIMEOUT}'; ANALYZE " + ", ".join(
                     f"{n} ({', '.join(STATS_COLUMNS[n])})" if n in STATS_COLUMNS else n
-                    for n in due))
-                await conn.execute(text("RESET lock_timeout"))
+                    for n in due) + "; RESET lock_timeout")
+                driver = await _driver_of(conn)
+                async with _driver_errors(conn, script):
+                    await driver.execute(script)
                 await self._read_reltuples(conn, due)
                 for name in due:
                     self._grown[name] = 0
