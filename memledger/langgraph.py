@@ -425,10 +425,13 @@ class MemledgerStore(BaseStore):
                 raw = opener(r.value)
                 if raw is None:  # its key was destroyed since the read: forgotten
                     continue
+                updated = _at(r.order_key)
+                first = (updated if not r.created_key or r.created_key == r.order_key
+                         else _at(r.created_key))
                 out.append(SearchItem(
                     namespace=self._ns_of(r.ns_path, names), key=decode_label(r.mkey),
-                    value=orjson.loads(raw), created_at=_at(r.created_key or r.order_key),
-                    updated_at=_at(r.order_key), score=None))
+                    value=orjson.loads(raw), created_at=first, updated_at=updated,
+                    score=None))
             return out
         wanted = op.offset + op.limit
         window = wanted

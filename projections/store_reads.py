@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.forgets import covers_sql
 from ledger.store import Store
+from ledger.vault import DIALECT_ATTR, MAGIC
 from projections.reads import not_expired, not_forgotten
 from projections.sql import PointQuery, point_rows, prefix_match
 
@@ -229,11 +230,14 @@ def value_opener(store: Store) -> Callable[[Any], Any]:
     item was forgotten since the read)."""
     if store.vault is None:
         return lambda v: v
-    typ: Any = t.mem_versions.c.value.type  # `SealedView`
-    dialect = store.engine.sync_engine.dialect
+    # `SealedView.process_result_value` with its vault looked up once, not per value
+    vault = getattr(store.engine.sync_engine.dialect, DIALECT_ATTR, None)
+    head = MAGIC[:1]
 
     def opened(v: Any) -> Any:
-        return typ.process_result_value(v, dialect)
+        if v is None or bytes(v[:1]) != head:
+            return v
+        return None if vault is None else vault.open(bytes(v))
     return opened
 
 
