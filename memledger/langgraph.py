@@ -407,8 +407,8 @@ class MemledgerStore(BaseStore):
         """An unranked search with point reads; None where they are not available.
         Without a filter one statement answers it (`store_reads.page_now`: the page and
         its items' created times). With a filter: the newest rows below the prefix with
-        their values as stored (a window of them, grown until the page is full or every
-        row is read), each opened and decoded only as the filter reaches it (the page's
+        their values as stored (the newest `offset + limit`, then every row if too few
+        pass), each opened and decoded only as the filter reaches it (the page's
         end stops it), then the created times of the page's items."""
         store = self._ml.store
         prefix, plain = self._search_plan(op)
@@ -434,12 +434,12 @@ class MemledgerStore(BaseStore):
                     score=None))
             return out
         wanted = op.offset + op.limit
-        window = wanted
+        window: int | None = wanted
         while True:
-            # The newest `window` rows first, in one statement: when enough of them pass
+            # The newest `wanted` rows first, in one statement: when enough of them pass
             # the filter, the page is the one all the rows of that snapshot would give;
-            # else a window four times as large (a filter that passes few items reads
-            # them all, in a few more statements).
+            # else every row (a second statement: SQLite reads and sorts the prefix's
+            # rows for any LIMIT, so growing windows would each cost about a full read).
             rows = store_reads.below_now(store, self.tenant, self._prefix(prefix),
                                          now_us=now_us, owner_prefix=self._owner,
                                          limit=window, opened=False)
@@ -447,9 +447,9 @@ class MemledgerStore(BaseStore):
                 return None
             got = list(rows)
             found = self._candidates(op, prefix, got, wanted, opener)
-            if len(found) >= wanted or len(got) < window:
+            if window is None or len(found) >= wanted or len(got) < window:
                 break
-            window *= 4
+            window = None
         kept = self._decoded(found[op.offset:op.offset + op.limit], opener)
         created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
         if created is None:
