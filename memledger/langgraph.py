@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
@@ -150,19 +150,19 @@ def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[np.ndarray[Any, Any]], offse
             limit: int) -> list[tuple[int, float | None]]:
     """A ranked page: (candidate number, score) by score (the best of a candidate's
     field vectors), ties in candidate order, then candidates without vectors (score
-    None) in order while the page has room. One matrix product for all candidates."""
-    owners = [n for n, v in enumerate(vecs) for _ in range(len(v))]
-    scored: list[tuple[int, float]] = []
-    if owners:
-        cos = _cosine(q, np.concatenate([v for v in vecs if len(v)]))
-        starts = np.flatnonzero(np.r_[True, np.diff(owners) != 0])
+    None) in order while the page has room. One matrix product for all candidates, and
+    the order by one stable sort in numpy (score descending, then candidate number)."""
+    lens = np.fromiter((len(v) for v in vecs), dtype=np.int64, count=len(vecs))
+    who = np.flatnonzero(lens)
+    page: list[tuple[int, float | None]] = []
+    if len(who):
+        cos = _cosine(q, np.concatenate([vecs[int(n)] for n in who]))
+        starts = np.concatenate(([0], np.cumsum(lens[who])[:-1]))
         best = np.maximum.reduceat(cos, starts)
-        who = [owners[i] for i in starts]
-        scored = sorted(((n, float(b)) for n, b in zip(who, best, strict=True)),
-                        key=lambda x: (-x[1], x[0]))
-    page: list[tuple[int, float | None]] = list(scored[offset:offset + limit])
+        order = np.lexsort((who, -best))[offset:offset + limit]
+        page = [(int(who[i]), float(best[i])) for i in order]
     if len(page) < limit:
-        page += [(n, None) for n, v in enumerate(vecs) if not len(v)][:limit - len(page)]
+        page += [(int(n), None) for n in np.flatnonzero(lens == 0)[:limit - len(page)]]
     return page
 
 
@@ -404,20 +404,53 @@ class MemledgerStore(BaseStore):
         return results
 
     def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
-        """An unranked search with point reads: the rows below the prefix (paged by SQL
-        when there is no filter), filtered on their decoded values, and the created
-        times of the page's items only; None where point reads are not available."""
+        """An unranked search with point reads; None where they are not available.
+        Without a filter one statement answers it (`store_reads.page_now`: the page and
+        its items' created times). With a filter: the newest rows below the prefix with
+        their values as stored (the newest `offset + limit`, then every row if too few
+        pass), each opened and decoded only as the filter reaches it (the page's
+        end stops it), then the created times of the page's items."""
         store = self._ml.store
         prefix, plain = self._search_plan(op)
-        rows = store_reads.below_now(
-            store, self.tenant, self._prefix(prefix), now_us=now_us, owner_prefix=self._owner,
-            limit=op.limit if plain else None, offset=op.offset if plain else 0)
-        if rows is None:
-            return None
-        kept = self._candidates(op, prefix, rows,
-                                None if plain else op.offset + op.limit)
-        if not plain:
-            kept = kept[op.offset:op.offset + op.limit]
+        opener = store_reads.value_opener(store)
+        if plain:
+            page = store_reads.page_now(
+                store, self.tenant, self._prefix(prefix), now_us=now_us,
+                owner_prefix=self._owner, limit=op.limit, offset=op.offset)
+            if page is None:
+                return None
+            out: list[SearchItem] = []
+            names: dict[str, tuple[str, ...]] = {}
+            for r in page:
+                raw = opener(r.value)
+                if raw is None:  # its key was destroyed since the read: forgotten
+                    continue
+                updated = _at(r.order_key)
+                first = (updated if not r.created_key or r.created_key == r.order_key
+                         else _at(r.created_key))
+                out.append(SearchItem(
+                    namespace=self._ns_of(r.ns_path, names), key=decode_label(r.mkey),
+                    value=orjson.loads(raw), created_at=first, updated_at=updated,
+                    score=None))
+            return out
+        wanted = op.offset + op.limit
+        window: int | None = wanted
+        while True:
+            # The newest `wanted` rows first, in one statement: when enough of them pass
+            # the filter, the page is the one all the rows of that snapshot would give;
+            # else every row (a second statement: SQLite reads and sorts the prefix's
+            # rows for any LIMIT, so growing windows would each cost about a full read).
+            rows = store_reads.below_now(store, self.tenant, self._prefix(prefix),
+                                         now_us=now_us, owner_prefix=self._owner,
+                                         limit=window, opened=False)
+            if rows is None:
+                return None
+            got = list(rows)
+            found = self._candidates(op, prefix, got, wanted, opener)
+            if window is None or len(found) >= wanted or len(got) < window:
+                break
+            window = None
+        kept = self._decoded(found[op.offset:op.offset + op.limit], opener)
         created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
         if created is None:
             return None
@@ -427,51 +460,91 @@ class MemledgerStore(BaseStore):
                 for r, ns, value in kept]
 
     @staticmethod
-    def _candidates(op: SearchOp, prefix: tuple[str, ...], rows: Iterable[Any],
-                    wanted: int | None) -> list[tuple[Any, tuple[str, ...], Any]]:
-        """The rows below `prefix` that pass the filter, with their namespaces and
-        decoded values, in row order; at most `wanted` (rows come in result order: a
-        search stops at its page's end)."""
-        kept: list[tuple[Any, tuple[str, ...], Any]] = []
+    def _ns_of(path: str, names: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+        """The LangGraph namespace of a namespace path (memo `names`: one search's)."""
+        ns = names.get(path)
+        if ns is None:
+            ns = names[path] = tuple(decode_label(p) for p in path.split(NS_SEP)[1:-1])
+        return ns
+
+    @classmethod
+    def _candidates(cls, op: SearchOp, prefix: tuple[str, ...], rows: Iterable[Any],
+                    wanted: int | None, opener: Callable[[Any], Any]
+                    ) -> list[tuple[Any, tuple[str, ...] | None, Any]]:
+        """The rows below `prefix` that pass the filter, in row order, with their
+        namespaces where known (None: `_decoded` finds it); at most `wanted` (rows come
+        in result order: a search stops at its page's end). A filter opens and decodes
+        the values it tests (a value whose key was destroyed since the read is a
+        forgotten item: left out); without one the value is left as stored (None), for
+        `_decoded` to open on the page only. The SQL's prefix is exact up to
+        `MAX_LABELS` labels; a longer one is checked here on each row's namespace."""
+        exact = len(prefix) <= MAX_LABELS
+        if exact and not op.filter:
+            rows = list(rows)
+            return [(r, None, None) for r in (rows if wanted is None else rows[:wanted])]
+        kept: list[tuple[Any, tuple[str, ...] | None, Any]] = []
         names: dict[str, tuple[str, ...]] = {}
         for r in rows:
-            ns = names.get(r.ns_path)
-            if ns is None:
-                ns = names[r.ns_path] = tuple(
-                    decode_label(p) for p in r.ns_path.split(NS_SEP)[1:-1])
-            if ns[:len(prefix)] != prefix:
+            ns = cls._ns_of(r.ns_path, names)
+            if not exact and ns[:len(prefix)] != prefix:
                 continue
-            value = orjson.loads(r.value)
-            if op.filter and not all(_compare_values(_lookup(value, k), v)
-                                     for k, v in op.filter.items()):
-                continue
+            value = None
+            if op.filter:
+                raw = opener(r.value)
+                if raw is None:
+                    continue
+                value = orjson.loads(raw)
+                if not all(_compare_values(_lookup(value, k), v)
+                           for k, v in op.filter.items()):
+                    continue
             kept.append((r, ns, value))
             if wanted is not None and len(kept) >= wanted:
                 break
         return kept
 
+    @classmethod
+    def _decoded(cls, kept: Sequence[tuple[Any, tuple[str, ...] | None, Any]],
+                 opener: Callable[[Any], Any]) -> list[tuple[Any, tuple[str, ...], Any]]:
+        """`kept` with every namespace and value decoded (the values `_candidates`
+        left as stored opened now); an item whose key was destroyed since the read (a
+        forgotten one) is left out."""
+        out = []
+        names: dict[str, tuple[str, ...]] = {}
+        for r, ns, value in kept:
+            if value is None:
+                raw = opener(r.value)
+                if raw is None:
+                    continue
+                value = orjson.loads(raw)
+            out.append((r, cls._ns_of(r.ns_path, names) if ns is None else ns, value))
+        return out
+
     def _ranked_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
         """A search with a query by point reads on the calling thread: the candidates
-        as `_search_now` finds them (no SQL page: all are ranked), scored against the
-        cached vectors, the created times of the page only. None (the loop path) where
-        point reads are not available or a candidate's vectors are not cached (another
-        process wrote it: the loop path embeds it)."""
+        as `_search_now` finds them (no SQL page: all are ranked; values opened only
+        where a filter tests them), scored against the cached vectors, the values and
+        created times of the page only. None (the loop path) where point reads are not
+        available or a candidate's vectors are not cached (another process wrote it:
+        the loop path embeds it)."""
         store = self._ml.store
         prefix = tuple(op.namespace_prefix)
         if len(prefix) > MAX_LABELS:
             return None
         rows = store_reads.below_now(store, self.tenant, self._prefix(prefix),
-                                     now_us=now_us, owner_prefix=self._owner)
+                                     now_us=now_us, owner_prefix=self._owner, opened=False)
         if rows is None:
             return None
-        cands = self._candidates(op, prefix, rows, None)
-        vecs = [self._vectors.get(r.memory_id) for r, _, _ in cands]
+        opener = store_reads.value_opener(store)
+        cands = self._candidates(op, prefix, rows, None, opener)
+        cached = self._vectors
+        vecs = [cached.get(r.memory_id) for r, _, _ in cands]
         if any(v is None for v in vecs):
             return None
         assert op.query is not None
         q = np.asarray(self.embeddings.embed_query(op.query), dtype=float)
         order = _ranked(q, vecs, op.offset, op.limit)  # type: ignore[arg-type]  # no None
-        page = [(cands[n], score) for n, score in order]
+        page = [(got[0], score) for n, score in order
+                if (got := self._decoded([cands[n]], opener))]
         created = store_reads.created_now(store, self.tenant, [c[0].slot for c, _ in page])
         if created is None:
             return None

@@ -10,7 +10,7 @@ principal's namespace prefix, in the SQL itself (R15, R20, R24).
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.forgets import covers_sql
 from ledger.store import Store
+from ledger.vault import DIALECT_ATTR, MAGIC
 from projections.reads import not_expired, not_forgotten
 from projections.sql import PointQuery, point_rows, prefix_match
 
@@ -109,6 +110,9 @@ Row = namedtuple("Row", ["memory_id", "ns_path", "mkey", "value", "order_key",  
 #: A row of `below_now`: no `created_key` (`created_now` gives it for a page), the slot.
 BelowRow = namedtuple("BelowRow", ["memory_id", "ns_path", "mkey", "value",  # type: ignore[misc]
                                    "order_key", "expires_us", "slot"])
+#: A row of `page_now`: `BelowRow` and the slot's `created_key`.
+PageRow = namedtuple("PageRow", ["memory_id", "ns_path", "mkey", "value",  # type: ignore[misc]
+                                 "order_key", "expires_us", "slot", "created_key"])
 
 
 def _range(col: Any, lo: Any, hi: Any) -> list[Any]:
@@ -126,6 +130,19 @@ def _point_live(owner: bool) -> list[Any]:
         conds.append(func.substr(mv.ns_path, 1, func.length(bindparam("owner")))
                      == bindparam("owner"))
     return conds
+
+
+def _first_key(slot: Any) -> Any:
+    """SQL (point reads): the created key of `slot` (`_created_key` for a slot given
+    as a column of a page or of a JSON list)."""
+    f = _first.c
+    # The planner cannot tell how many slots a page or json_each holds and would look
+    # the versions up by tenant (every row of it): the tenant test is written so that no
+    # index serves it (`tenant || ''`), which leaves the slot index.
+    return select(f.order_key).where(
+        f.tenant.concat("") == bindparam("tenant"), f.slot == slot,
+        ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists()
+    ).order_by(f.order_key).limit(1).scalar_subquery()
 
 
 _POINT: dict[tuple[str, bool, bool], PointQuery] = {}
@@ -149,16 +166,24 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
             q = q.limit(bindparam("limit")).offset(bindparam("offset"))
     elif kind == "namespaces":
         q = select(mv.ns_path).where(*_point_live(owner)).distinct()
+    elif kind == "page":
+        # `below` paged by SQL, with each page row's created key: the created key's
+        # look-up runs for the page's rows only (outside the LIMIT's subquery; in the
+        # select list of the ordered query SQLite would compute it for every row before
+        # the sort), in the same statement, so in the same snapshot as the rows.
+        inner = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key,
+                       mv.expires_us, mv.slot).where(
+            *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
+            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
+            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id).limit(
+            bindparam("limit")).offset(bindparam("offset")).subquery("page")
+        p = inner.c
+        q = select(p.memory_id, p.ns_path, p.mkey, p.value, p.order_key, p.expires_us,
+                   p.slot, _first_key(p.slot).label("created_key")).order_by(
+            p.order_key.desc(), p.memory_id)
     else:  # created: the created key of each slot of a JSON list (SQLite's json_each)
         page = func.json_each(bindparam("slots")).table_valued("value").alias("page")
-        f = _first.c
-        # The planner cannot tell how many slots json_each holds and would look the
-        # versions up by tenant (every row of it): the tenant test is written so that no
-        # index serves it (`tenant || ''`), which leaves the slot index.
-        q = select(page.c.value, select(f.order_key).where(
-            f.tenant.concat("") == bindparam("tenant"), f.slot == page.c.value,
-            ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists())
-            .order_by(f.order_key).limit(1).scalar_subquery())
+        q = select(page.c.value, _first_key(page.c.value))
     got = _POINT[(kind, owner, limited)] = PointQuery(q)
     return got
 
@@ -175,16 +200,45 @@ def get_now(store: Store, tenant: str, target: tuple[str, str], *, now_us: int,
 
 def below_now(store: Store, tenant: str, prefix: str, *, now_us: int,
               owner_prefix: str | None = None, limit: int | None = None,
-              offset: int = 0) -> Iterator[Any] | None:
+              offset: int = 0, opened: bool = True) -> Iterator[Any] | None:
     """`below` on the calling thread where the backend can (None where it cannot), as
     rows made when iterated, without `created_key`: `created_now` gives it for the
     rows a caller keeps, so a search that pages or filters in Python looks it up for
-    its page only."""
+    its page only. `opened=False`: the values as stored (sealed), for a caller that
+    opens the few it decodes (`value_opener`)."""
     vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
             "owner": owner_prefix, "limit": limit, "offset": offset}
     rows = point_rows(store, _point("below", owner_prefix is not None, limit is not None),
-                      vals)
+                      vals, opened=opened)
     return None if rows is None else map(BelowRow._make, rows)  # made as they are used
+
+
+def page_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
+             offset: int = 0, owner_prefix: str | None = None) -> list[Any] | None:
+    """A page of `below` (`limit` rows from `offset`, newest first) with each row's
+    `created_key`, in one statement on the calling thread; None where point reads are
+    not available. The values as stored (`value_opener` opens them)."""
+    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
+            "owner": owner_prefix, "limit": limit, "offset": offset}
+    rows = point_rows(store, _point("page", owner_prefix is not None), vals, opened=False)
+    return None if rows is None else [PageRow._make(r) for r in rows]
+
+
+def value_opener(store: Store) -> Callable[[Any], Any]:
+    """Opens a `value` read as stored (`below_now(opened=False)`, `page_now`) as
+    `point_rows` would have: the plaintext, or None once its key is destroyed (the
+    item was forgotten since the read)."""
+    if store.vault is None:
+        return lambda v: v
+    # `SealedView.process_result_value` with its vault looked up once, not per value
+    vault = getattr(store.engine.sync_engine.dialect, DIALECT_ATTR, None)
+    head = MAGIC[:1]
+
+    def opened(v: Any) -> Any:
+        if v is None or bytes(v[:1]) != head:
+            return v
+        return None if vault is None else vault.open(bytes(v))
+    return opened
 
 
 def namespaces_now(store: Store, tenant: str, *, now_us: int,

@@ -14,13 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("langgraph.store.base")
 
-from langgraph.store.base import GetOp, ListNamespacesOp, MatchCondition, SearchOp
+from langgraph.store.base import GetOp, ListNamespacesOp, MatchCondition, PutOp, SearchOp
 
-from memledger.langgraph import MemledgerStore
+from memledger.langgraph import MemledgerStore, _ranked, _rows
+from projections import store_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,3 +184,157 @@ def test_ranked_search_on_the_caller_thread_answers_as_the_loop_path(
         assert other._read_now(RANKED[:3], embeds=True) is not None
     finally:
         other.close()
+
+
+# -- issue 16: searches read less (docs/langgraph.md "Searches") -----------------------
+def _fill_many(store: MemledgerStore) -> None:
+    """Three users' items written in batches, some updated and some deleted later, so
+    the newest rows are neither the first written nor all alike."""
+    store.batch([PutOp((u, "prefs"), f"k{i}", {"i": i, "tag": ("even", "odd")[i % 2],
+                                               "nested": {"n": (i * 7) % 30}})
+                 for u in ("u7", "u8", "u9") for i in range(14)])
+    store.batch([PutOp(("u7", "prefs"), f"k{i}", {"i": 100 + i, "tag": "odd",
+                                                  "nested": {"n": i}}) for i in (0, 4, 9)])
+    store.batch([PutOp(("u8", "prefs"), f"k{i}", None) for i in (1, 2, 13)])
+    store.batch([PutOp(("u7", "notes", "deep"), f"n{i}", {"i": i, "tag": "even",
+                                                         "nested": {"n": 25 + i}})
+                 for i in range(4)])
+
+
+FILTERS: list[dict[str, Any] | None] = [
+    None, {"tag": "even"}, {"tag": "odd"}, {"i": {"$gte": 100}}, {"i": {"$lt": 3}},
+    {"nested.n": {"$gt": 20}}, {"tag": "even", "i": {"$gte": 6}}, {"tag": "none"},
+]
+PREFIXES: list[tuple[str, ...]] = [(), ("u7",), ("u7", "prefs"), ("u8", "prefs"), ("u9",),
+                                   ("u7", "notes")]
+
+
+@pytest.mark.parametrize("principal", [None, "langgraph/u7"])
+def test_any_search_on_the_caller_thread_answers_as_the_loop_path(
+        sqlite_url: str, principal: str | None) -> None:
+    """For any prefix, filter, offset and limit (hypothesis), an unranked search on the
+    caller's thread (one statement without a filter; with one, windows of the newest
+    rows grown until the page is full) gives the loop path's items, order and times;
+    a principal's store only its user's (R24). Selective filters need every row."""
+    admin = MemledgerStore(url=sqlite_url)
+    try:
+        _fill_many(admin)
+    finally:
+        admin.close()
+    store = MemledgerStore(url=sqlite_url, principal=principal)
+    try:
+        store.setup()
+
+        @settings(max_examples=80, deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(st.sampled_from(PREFIXES), st.sampled_from(FILTERS),
+               st.integers(0, 12), st.integers(1, 15))
+        def check(prefix: tuple[str, ...], flt: dict[str, Any] | None, offset: int,
+                  limit: int) -> None:
+            ops: list[Any] = [SearchOp(prefix, filter=flt, limit=limit, offset=offset)]
+            fast = store._read_now(ops, embeds=True)
+            assert fast is not None
+            assert _dicts(fast) == _dicts(store._call(store._batch(ops)))
+            if principal is not None:
+                assert all(i.namespace[0] == "u7" for i in fast[0])
+
+        check()
+    finally:
+        store.close()
+
+
+def _matches(value: dict[str, Any], flt: dict[str, Any] | None) -> bool:
+    """The test's own reading of FILTERS (equality, `$gte`, `$lt`, `$gt`; a dotted key
+    is a path)."""
+    for key, want in (flt or {}).items():
+        got: Any = value
+        for part in key.split("."):
+            got = got.get(part) if isinstance(got, dict) else None
+        if isinstance(want, dict):
+            ((opname, bound),) = want.items()
+            if got is None or not {"$gte": got >= bound, "$lt": got < bound,
+                                   "$gt": got > bound}[opname]:
+                return False
+        elif got != want:
+            return False
+    return True
+
+
+def test_filtered_pages_are_slices_of_the_newest_first_order(db_url: str) -> None:
+    """On both backends: a filtered search's page is the slice, at its offset, of the
+    items passing the filter in the store's newest-first order, whatever the filter
+    passes (all, few, none); deleted items never appear (R20)."""
+    store = MemledgerStore(url=db_url)
+    try:
+        _fill_many(store)
+        every = store.search((), limit=1000)
+        assert len(every) == 42 - 3 + 4
+        assert not {("u8", "prefs", f"k{i}") for i in (1, 2, 13)} & {
+            (*i.namespace, i.key) for i in every}
+        for flt in FILTERS:
+            passing = [i for i in every if _matches(i.value, flt)]
+            for offset, limit in ((0, 1), (0, 10), (3, 4), (9, 30)):
+                got = store.search((), filter=flt, limit=limit, offset=offset)
+                assert [(i.namespace, i.key, i.value) for i in got] == [
+                    (i.namespace, i.key, i.value) for i in passing[offset:offset + limit]]
+    finally:
+        store.close()
+
+
+def test_a_value_erased_after_the_read_is_left_out(sqlite_url: str) -> None:
+    """Rows read with their values as stored (a search opens only the ones it keeps):
+    an item deleted between the read and the opening opens as None (its key destroyed,
+    R20) and `_decoded` leaves it out instead of returning it."""
+    store = MemledgerStore(url=sqlite_url)
+    try:
+        store.put(("u7", "prefs"), "gone", {"v": 1})
+        store.put(("u7", "prefs"), "kept", {"v": 2})
+        ml = store._ml.store
+        assert ml.vault is not None
+        prefix = store._prefix(("u7",))
+        rows = list(store_reads.below_now(ml, "langgraph", prefix, now_us=time.time_ns()
+                                          // 1000, opened=False) or [])
+        assert [r.mkey for r in rows] == ["kept", "gone"]
+        store.delete(("u7", "prefs"), "gone")
+        opener = store_reads.value_opener(ml)
+        assert opener(rows[1].value) is None
+        kept = store._decoded([(r, None, None) for r in rows], opener)
+        assert [(r.mkey, ns, v) for r, ns, v in kept] == [("kept", ("u7", "prefs"), {"v": 2})]
+    finally:
+        store.close()
+
+
+def _ranked_reference(q: np.ndarray[Any, Any], vecs: list[np.ndarray[Any, Any]], offset: int,
+                      limit: int) -> list[tuple[int, float | None]]:
+    """A candidate's score is its best cosine; order by score, then candidate number;
+    the ones without vectors after, in order."""
+    scored = []
+    for n, v in enumerate(vecs):
+        if len(v):
+            cos = [float(r @ q) / (float(np.linalg.norm(r)) * float(np.linalg.norm(q)))
+                   if np.linalg.norm(r) and np.linalg.norm(q) else 0.0 for r in v]
+            scored.append((n, max(cos)))
+    scored.sort(key=lambda x: (-x[1], x[0]))
+    page: list[tuple[int, float | None]] = list(scored[offset:offset + limit])
+    page += [(n, None) for n, v in enumerate(vecs) if not len(v)][:limit - len(page)]
+    return page
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(-3, 3), min_size=3, max_size=3),
+                         max_size=3), max_size=12),
+       st.lists(st.integers(-3, 3), min_size=3, max_size=3), st.integers(0, 14),
+       st.integers(1, 14))
+def test_ranked_pages_order_by_best_score_then_candidate(
+        vecs: list[list[list[int]]], q: list[int], offset: int, limit: int) -> None:
+    """`_ranked` (one matrix product, the order by numpy's stable sort) gives, for any
+    field vectors (none, one or several a candidate, zero vectors, ties), the page the
+    plain definition gives: best cosine first, ties in candidate order, then the
+    candidates without vectors."""
+    arrays = [_rows(v) if v else _rows([]) for v in vecs]
+    qa = np.asarray(q, dtype=float)
+    got = _ranked(qa, arrays, offset, limit)
+    want = _ranked_reference(qa, arrays, offset, limit)
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) < 1e-9)
