@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import orjson
 import structlog
-from sqlalchemy import bindparam, delete, select, text, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -40,7 +40,7 @@ from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_share, for_update, insert_ignore, prepared
+from projections.sql import for_share, for_update, insert_ignore, prepared, step_facts
 
 log = structlog.get_logger("memledger.projections")
 
@@ -175,8 +175,9 @@ class Runner:
                 if moved is not None:
                     return moved
             sc = t.shard_checkpoints.c
-            facts = (await _step_facts(conn, proj.name, position, size)
-                     if self.store.dialect == "postgresql" else None)
+            facts = await step_facts(self.store, conn, proj.name, position, size,
+                                     shards_meta=shards.SHARDS_META,
+                                     default_shards=shards.DEFAULT_SHARDS)
             held: set[int] | None = None
             if facts is not None:
                 head, ahead, count, held = facts
@@ -613,39 +614,6 @@ class Runner:
             return await shards.low_watermarks(conn, names)
         at = await shards.shard_positions(conn, names, count, owned)
         return {n: min(at[n].values()) for n in names}
-
-
-#: PostgreSQL: what a step reads once it holds the checkpoint row (`_step_facts`).
-_STEP_FACTS: Final = text(
-    "SELECT (SELECT max(position) FROM events), "
-    "(SELECT value FROM meta WHERE name = :shards_meta), "
-    "(SELECT array_agg(shard ORDER BY shard) FROM shard_checkpoints "
-    "WHERE projection = :name), "
-    "(SELECT array_agg(position ORDER BY shard) FROM shard_checkpoints "
-    "WHERE projection = :name), "
-    "(SELECT array_agg(position ORDER BY position) FROM quarantine "
-    "WHERE projection = :name AND position > :after AND position <= :upto)")
-
-
-async def _step_facts(conn: AsyncConnection, name: str, position: int, size: int
-                      ) -> tuple[int, dict[int, int], int, set[int]]:
-    """PostgreSQL, in the step's transaction after the checkpoint row is locked: the
-    ledger's head, the projection's shard checkpoints (`{shard: position}`), the shard
-    count and its quarantined positions in (`position`, `position + size`], in ONE
-    statement instead of four (`Store.head`, the shard rows, `shards.shard_count`,
-    `quarantine.held_positions`). It must be a statement of its own after the locking
-    SELECT (under READ COMMITTED a statement sees the rows committed before it
-    started; the locking one may have waited). Each of these rows changes only under
-    the checkpoint row's lock (shard runners hold it in share mode, `shards set` and
-    the quarantine's writers exclusively) or, the head, only grows: the same values
-    the four statements read."""
-    row = (await conn.execute(_STEP_FACTS, {
-        "shards_meta": shards.SHARDS_META, "name": name, "after": position,
-        "upto": position + size})).one()
-    head, count, ks, ps, held = row
-    return (int(head or 0), dict(zip(map(int, ks or ()), map(int, ps or ()), strict=True)),
-            int(count) if count is not None else shards.DEFAULT_SHARDS,
-            set(map(int, held or ())))
 
 
 async def _ensure_checkpoint(conn: AsyncConnection, store: Store, name: str) -> None:

@@ -15,7 +15,7 @@ import operator
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import (
     ARRAY,
@@ -364,6 +364,46 @@ async def read_sql(store: Store, conn: AsyncConnection, sql: str, params: Sequen
         if rows is not None:
             return rows
     return (await conn.exec_driver_sql(sql, tuple(params))).all()
+
+
+# -- a runner step's reads (`projections.runner`) -----------------------------------
+
+#: PostgreSQL: what a runner's step reads once it holds the checkpoint row (`step_facts`).
+_STEP_FACTS: Final = text(
+    "SELECT (SELECT max(position) FROM events), "
+    "(SELECT value FROM meta WHERE name = :shards_meta), "
+    "(SELECT array_agg(shard ORDER BY shard) FROM shard_checkpoints "
+    "WHERE projection = :name), "
+    "(SELECT array_agg(position ORDER BY shard) FROM shard_checkpoints "
+    "WHERE projection = :name), "
+    "(SELECT array_agg(position ORDER BY position) FROM quarantine "
+    "WHERE projection = :name AND position > :after AND position <= :upto)")
+
+
+async def step_facts(store: Store, conn: AsyncConnection, name: str, position: int,
+                     size: int, *, shards_meta: str, default_shards: int
+                     ) -> tuple[int, dict[int, int], int, set[int]] | None:
+    """None except on PostgreSQL (`projections.runner` then reads the four apart).
+    PostgreSQL, in a runner step's transaction after the checkpoint row is locked: the
+    ledger's head, the projection's shard checkpoints (`{shard: position}`), the shard
+    count and its quarantined positions in (`position`, `position + size`], in ONE
+    statement instead of four (`Store.head`, the shard rows, `shards.shard_count`,
+    `quarantine.held_positions`). It must be a statement of its own after the locking
+    SELECT (under READ COMMITTED a statement sees the rows committed before it
+    started; the locking one may have waited). Each of these rows changes only under
+    the checkpoint row's lock (shard runners hold it in share mode, `shards set` and
+    the quarantine's writers exclusively) or, the head, only grows: the same values
+    the four statements read."""
+    if store.dialect != "postgresql":
+        return None
+    row = (await conn.execute(_STEP_FACTS, {
+        "shards_meta": shards_meta, "name": name, "after": position,
+        "upto": position + size})).one()
+    head, count, ks, ps, held = row
+    return (int(head or 0), dict(zip(map(int, ks or ()), map(int, ps or ()), strict=True)),
+            int(count) if count is not None else default_shards,
+            set(map(int, held or ())))
+
 
 
 # -- the lexical index's full-text engine (`projections.lexical`) ------------------------

@@ -1,5 +1,5 @@
 """The projection step's statements on PostgreSQL, second pass (issue 20): what a step
-reads once it holds the checkpoint row, in one statement (`runner._step_facts`), is
+reads once it holds the checkpoint row, in one statement (`projections.sql.step_facts`), is
 what the four statements it replaces read; the lexical index's look-up of its entries
 (one statement over arrays on PostgreSQL) reads what `pairs_in` reads, on both
 backends; and the statistics refresh, one round trip, leaves the pooled connection's
@@ -22,8 +22,7 @@ from ledger import schema as t
 from ledger.recorder import pairs_in
 from ledger.store import Store
 from projections import lexical, quarantine, shards
-from projections.runner import _step_facts
-from projections.sql import in_list, lexical_insert
+from projections.sql import in_list, lexical_insert, step_facts
 
 _SETTINGS = settings(max_examples=25, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -74,7 +73,9 @@ async def test_step_facts_read_what_the_four_statements_read(
                 await conn.execute(t.meta.insert().values(name=shards.SHARDS_META,
                                                           value=str(count)))
         async with store.view_write() as conn:
-            got = await _step_facts(conn, name, position, size)
+            got = await step_facts(store, conn, name, position, size,
+                                  shards_meta=shards.SHARDS_META,
+                                  default_shards=shards.DEFAULT_SHARDS)
             want = (await store.head(conn),
                     {int(r[0]): int(r[1]) for r in (await conn.execute(select(
                         sc.shard, sc.position).where(sc.projection == name))).all()},
