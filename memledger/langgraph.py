@@ -227,10 +227,10 @@ class MemledgerStore(BaseStore):
         self._encoded: dict[tuple[str, ...], tuple[str, ...]] = {}
         #: memory_id -> its field vectors (`_rows`)
         self._vectors: dict[str, np.ndarray[Any, Any]] = {}
-        self._ml = MemoryLedger(url, register_path=register_path)
-        # A put's append and projection round each in one hand-off to a thread of their
+        # `inline_writes` (MemoryLedger's default, said here because a put depends on it):
+        # a put's append and projection round each in one hand-off to a thread of their
         # own, not a hand-off per statement to the driver's (SQLite files, `ledger.inline`).
-        self._ml.store.use_inline()
+        self._ml = MemoryLedger(url, register_path=register_path, inline_writes=True)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
         #: Projection rounds (`_project`): the position every view has reached through

@@ -52,20 +52,18 @@ from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
 from projections.sql import (
-    batches,
-    chunks,
     in_list,
     lexical_delete,
     lexical_hits,
     lexical_insert,
     lexical_merge,
     lexical_term_shares,
-    one_tenant,
     page_after,
     pairs_of,
     prefix_match,
     prefix_range,
     prepared,
+    tenant_parts,
 )
 from projections.vectors import (
     apply_settling,
@@ -235,26 +233,13 @@ async def _entries(conn: AsyncConnection, pairs: set[tuple[str, str]]) -> list[A
         *[ld[c] for c in _DOC_COLUMNS]).where(ld.tenant == bindparam("tenant"),
                                               in_list(conn, ld.item_id, "ids")))
     rows: list[Any] = []
-    if conn.dialect.name != "postgresql":
-        for tenant, part in _by_tenant(pairs):
+    for tenant, part in tenant_parts(conn, pairs):
+        if tenant is not None:
             rows += (await conn.execute(held, {"tenant": tenant, "ids": part})).all()
-        return rows
-    for chunk in batches(conn, sorted(pairs)):
-        alone = one_tenant(chunk)
-        if alone is not None:
-            rows += (await conn.execute(held, {"tenant": alone[0], "ids": alone[1]})).all()
         else:
             rows += (await conn.execute(select(*[ld[c] for c in _DOC_COLUMNS]).where(
-                pairs_of(conn, ld.tenant, ld.item_id, chunk)))).all()
+                pairs_of(conn, ld.tenant, ld.item_id, part)))).all()
     return rows
-
-
-def _by_tenant(pairs: set[tuple[str, str]]) -> list[tuple[str, Sequence[str]]]:
-    """(tenant, a chunk of its ids) for each tenant of `pairs`, in order."""
-    grouped: dict[str, list[str]] = {}
-    for tenant, item in sorted(pairs):
-        grouped.setdefault(tenant, []).append(item)
-    return [(tenant, part) for tenant, items in grouped.items() for part in chunks(items)]
 
 
 def _covered(ts: Tombstone) -> Any:

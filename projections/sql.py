@@ -115,6 +115,27 @@ def in_list(conn: AsyncConnection, col: Any, name: str) -> Any:
     return col.in_(bindparam(name, expanding=True))
 
 
+def tenant_parts(conn: AsyncConnection, pairs: Iterable[tuple[str, Any]], n: int = 400
+                 ) -> list[tuple[str | None, list[Any]]]:
+    """How a look-up by (tenant, id) pairs is split into statements: (tenant, its ids)
+    for a statement `tenant = ? AND id IN (...)` (`in_list`), or (None, the pairs) for
+    one `pairs_of` statement. SQLite: per tenant, `n` ids at a time (the primary key
+    serves it; a row-value IN would scan the table). PostgreSQL: one part for them all
+    over arrays, by tenant when they have one."""
+    ordered = sorted(set(pairs))
+    if conn.dialect.name != "postgresql":
+        grouped: dict[str, list[Any]] = {}
+        for tenant, item in ordered:
+            grouped.setdefault(tenant, []).append(item)
+        return [(tenant, list(part)) for tenant, items in grouped.items()
+                for part in chunks(items, n)]
+    out: list[tuple[str | None, list[Any]]] = []
+    for part in batches(conn, ordered):
+        alone = one_tenant(part)
+        out.append((alone[0], list(alone[1])) if alone is not None else (None, list(part)))
+    return out
+
+
 def pairs_of(conn: AsyncConnection, a: Any, b: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:
     """SQL: `(a, b)` is one of `pairs` (as `ledger.recorder.pairs_in`).
 

@@ -66,10 +66,10 @@ from projections.sql import (
     in_list,
     insert_ignore,
     insert_rows,
-    one_tenant,
     page_after,
     pairs_of,
     prepared,
+    tenant_parts,
 )
 
 log = structlog.get_logger("memledger.vectors")
@@ -431,17 +431,11 @@ async def _slots_of_ids(conn: AsyncConnection, by_id: Any, ids: set[tuple[str, s
     memory_id IN (...)`, the primary key) in chunks; on PostgreSQL one statement for
     them all over arrays (`by_id` for one tenant, else `pairs_of`)."""
     out: set[str] = set()
-    if conn.dialect.name != "postgresql":
-        for tenant, chunk in _by_tenant(ids):
-            out.update(r[0] for r in (await conn.execute(by_id, {
-                "tenant": tenant, "ids": list(chunk)})).all())
-        return out
     mv = t.mem_versions.c
-    for part in batches(conn, sorted(ids)):
-        alone = one_tenant(part)
-        q = (by_id if alone is not None else
+    for tenant, part in tenant_parts(conn, ids):
+        q = (by_id if tenant is not None else
              select(mv.slot).where(pairs_of(conn, mv.tenant, mv.memory_id, part)))
-        params = {"tenant": alone[0], "ids": alone[1]} if alone is not None else {}
+        params = {"tenant": tenant, "ids": part} if tenant is not None else {}
         out.update(r[0] for r in (await conn.execute(q, params)).all())
     return out
 
