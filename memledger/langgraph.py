@@ -166,9 +166,118 @@ def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[np.ndarray[Any, Any]], offse
     return page
 
 
+#: How long a put's projection round waits for the puts that follow it, to share it:
+#: while only writes arrive, the views trail this store's appends by at most this plus
+#: a round. A read through the store, a delete, `close()` and the TTL sweep start the
+#: round at once and wait for it.
+ROUND_DELAY_S = 0.02
+#: A round starts at once when this many positions are appended and not yet projected
+#: (a batch put of 1,000 items does not wait `ROUND_DELAY_S`); below the runner's
+#: batch, so a round over them stays one view transaction (`Runner.round`).
+ROUND_MAX_PENDING = 256
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """Mark a round's exception as seen by asyncio (`_Rounds.failed` keeps it for the
+    store's next caller)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _Rounds:
+    """A store's projection rounds, run on its loop (docs/langgraph.md, "Writes").
+
+    A put returns once its append has committed (durable, R14/R16); `wrote` then
+    schedules a round, shared by the puts that follow within `ROUND_DELAY_S`. `reach`
+    waits until every view has reached a position, starting a round at once if none
+    is running (one runs at a time and catches every view up to the head it reads at
+    its start, so writers and readers waiting together share it). An error a round
+    raises reaches its waiters; raised where nobody waited, it is kept in `failed`
+    until the store's next caller (`raise_failed`) or `close()` is given it."""
+
+    def __init__(self, ml: MemoryLedger) -> None:
+        self.ml = ml
+        #: the highest position this store has appended (committed)
+        self.appended = 0
+        #: the position every view has reached through this store's rounds
+        self.projected = 0
+        self.count = 0  # rounds run
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()  # `failed` is read by callers' threads
+
+    def behind(self, upto: int | None = None) -> bool:
+        """Whether the views are behind `upto` (default: every append of this store)."""
+        return self.projected < (self.appended if upto is None else upto)
+
+    def _running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def wrote(self, position: int) -> None:
+        """An append up to `position` has committed: a round is due (on the loop)."""
+        self.appended = max(self.appended, position)
+        if self.behind() and not self._running():
+            if self.appended - self.projected >= ROUND_MAX_PENDING:
+                self._start()
+            elif self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(
+                    ROUND_DELAY_S, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.behind() and not self._running():
+            self._start()
+
+    def _start(self) -> asyncio.Task[None]:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task = self._task = asyncio.get_running_loop().create_task(self._one())
+        task.add_done_callback(_retrieved)
+        return task
+
+    async def _one(self) -> None:
+        self.count += 1
+        try:
+            # the head is read inside the round's one view transaction (`Runner.round`)
+            head = await self.ml.runner.round()
+        except Exception as exc:
+            with self._lock:
+                self._failed = exc
+            raise
+        self.projected = max(self.projected, head)
+        if self.behind():  # appended during the round, with nobody waiting yet
+            self.wrote(self.appended)
+
+    async def reach(self, upto: int | None = None) -> None:
+        """Return once every view has reached `upto` (default: every append of this
+        store so far). Raises what the round it waited for raised."""
+        target = self.appended if upto is None else upto
+        while self.projected < target:
+            task = self._task if self._running() else self._start()
+            assert task is not None
+            try:
+                await asyncio.shield(task)
+            except Exception as exc:
+                with self._lock:
+                    if self._failed is exc:  # given to this caller: not kept
+                        self._failed = None
+                raise
+
+    def raise_failed(self) -> None:
+        """Raise (once) what a round nobody waited for raised."""
+        with self._lock:
+            exc, self._failed = self._failed, None
+        if exc is not None:
+            raise exc
+
+
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-              ml: MemoryLedger, tmpdir: str | None) -> None:
+              ml: MemoryLedger, rounds: _Rounds, tmpdir: str | None) -> None:
     if loop.is_running():
+        with contextlib.suppress(Exception):  # `close()` settled and raised already
+            asyncio.run_coroutine_threadsafe(rounds.reach(), loop).result(timeout=300)
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(ml.close(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
@@ -233,11 +342,8 @@ class MemledgerStore(BaseStore):
         self._ml = MemoryLedger(url, register_path=register_path, inline_writes=True)
         self._opened = False
         self._gate: asyncio.Semaphore | None = None
-        #: Projection rounds (`_project`): the position every view has reached through
-        #: this store, and the round running now, which concurrent writers share.
-        self._projected = 0
-        self._round: asyncio.Task[None] | None = None
-        self.rounds = 0  # projection rounds run (a writer's wait is one or two of them)
+        #: Projection rounds: run after a put returns, shared, waited for by reads
+        self._rounds = _Rounds(self._ml)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="memledger-langgraph")
@@ -245,7 +351,7 @@ class MemledgerStore(BaseStore):
         self._sweeper: threading.Thread | None = None
         self._sweep_stop = threading.Event()
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread,
-                                           self._ml, self._tmpdir)
+                                           self._ml, self._rounds, self._tmpdir)
 
     # -- life cycle --------------------------------------------------------------------
     @classmethod
@@ -266,9 +372,34 @@ class MemledgerStore(BaseStore):
         self._call(self._open())
 
     def close(self) -> None:
-        """Stop the sweeper, release the ledger, remove a private temporary ledger."""
+        """Stop the sweeper, wait for the projection round of the last puts, release
+        the ledger, remove a private temporary ledger. Raises what a round raised
+        that no caller was given (after releasing everything)."""
         self._stop_sweeper()
-        self._finalizer()
+        try:
+            if self._finalizer.alive and self._opened and self._loop.is_running():
+                self._call(self._rounds.reach())
+                self._rounds.raise_failed()
+        finally:
+            self._finalizer()
+
+    def flush(self) -> None:
+        """Return once every view shows every write this store has returned: the
+        projection round a put leaves to the background has run (another store or
+        process on the same ledger then reads them; this store's own reads wait for it
+        anyway). Raises what a round raised that no caller was given."""
+        self._rounds.raise_failed()
+        self._call(self._rounds.reach())
+
+    async def aflush(self) -> None:
+        """`flush`, awaitable."""
+        self._rounds.raise_failed()
+        await self._acall(self._rounds.reach())
+
+    @property
+    def rounds(self) -> int:
+        """Projection rounds run by this store."""
+        return self._rounds.count
 
     async def _open(self) -> None:
         if not self._opened:
@@ -287,13 +418,19 @@ class MemledgerStore(BaseStore):
     # -- BaseStore ---------------------------------------------------------------------
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         ops = list(ops)
-        got = self._read_now(ops, embeds=self._embeds_sync)
+        self._rounds.raise_failed()
+        upto = self._rounds.appended  # read-your-writes: every put returned before now
+        if self._rounds.behind(upto) and not all(isinstance(op, PutOp) for op in ops):
+            self._call(self._rounds.reach(upto))
+        got = self._read_now(ops, embeds=self._embeds_sync, upto=upto)
         return got if got is not None else self._call(self._batch(ops))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         ops = list(ops)
-        # no query embedding here: a sync embedder would block the caller's event loop
-        got = self._read_now(ops, embeds=False)
+        self._rounds.raise_failed()
+        # no query embedding here: a sync embedder would block the caller's event loop;
+        # behind this store's puts, `_batch` waits for their round on the loop
+        got = self._read_now(ops, embeds=False, upto=self._rounds.appended)
         return got if got is not None else await self._acall(self._batch(ops))
 
     @property
@@ -346,6 +483,8 @@ class MemledgerStore(BaseStore):
         their own (the ledger's append queue and the shared projection round write)."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(4)
+        if not all(isinstance(op, PutOp) for op in ops):
+            await self._rounds.reach()  # the views show every put this store returned
         async with self._gate:
             results, puts, refresh = await self._batch_reads(ops)
         await self._write(puts, refresh)
@@ -358,18 +497,22 @@ class MemledgerStore(BaseStore):
                 raise ValueError(f"Unknown operation type: {type(op)}")
             validate_op_namespace(op)
 
-    def _read_now(self, ops: list[Op], *, embeds: bool) -> list[Result] | None:
+    def _read_now(self, ops: list[Op], *, embeds: bool, upto: int | None = None
+                  ) -> list[Result] | None:
         """A batch of reads answered on the calling thread with point reads (a SQLite
         file: no hop to the store's loop thread, none to the driver's); None when the
-        batch writes, ranks by a query, refreshes TTLs, the ledger is not open yet or
-        the backend has no point reads, and `_batch` answers it on the loop.
+        batch writes, ranks by a query, refreshes TTLs, the ledger is not open yet, the
+        views have not reached `upto` (default: every append of this store; the
+        caller passes what it had appended when the call began; the loop path waits
+        for their round) or the backend has no point reads, and
+        `_batch` answers it on the loop.
 
         The SQL is the loop path's: the tenant, the principal's prefix, active,
         unexpired and covered by no tombstone, checked by SQLite on every call. A search
         with a query is answered here when the vectors of every candidate are in the
         process's cache (`_ranked_now`) and `embeds` (a sync call whose embedder is
         sync) lets the calling thread embed the query."""
-        if not self._opened or self._refreshes or not ops:
+        if not self._opened or self._refreshes or not ops or self._rounds.behind(upto):
             return None
         for op in ops:
             if isinstance(op, PutOp) or (isinstance(op, SearchOp) and op.query
@@ -737,6 +880,7 @@ class MemledgerStore(BaseStore):
                 self._vectors[events[-1].data["memory_id"]] = cached
         if not events:
             return
+        forgets = any(op.value is None for op in puts)
         if embed:
             flat = [t for _, texts in embed for t in texts]
             vecs = list(await self.embeddings.aembed_documents(flat))
@@ -744,35 +888,29 @@ class MemledgerStore(BaseStore):
             for i, texts in embed:
                 self._vectors[events[i].data["memory_id"]] = _rows(vecs[n:n + len(texts)])
                 n += len(texts)
-        await self._append(events)
+        await self._append(events, wait=forgets)
 
-    async def _append(self, events: list[Event]) -> None:
-        """Append `events` (one request: all or none) and return once every view shows
-        them (what LangGraph's read-after-write needs)."""
+    async def _append(self, events: list[Event], *, wait: bool) -> None:
+        """Append `events` (one request: all or none). It returns once they are
+        durable in the ledger; the views apply them in a projection round that the
+        store's next read waits for (`_Rounds`). With `wait` (a batch that deletes,
+        the TTL sweep) it returns only once that round has run: a returned delete has
+        been erased from every view, vector and ledger payload (R20).
+
+        Concurrent writers share projection rounds: one round runs at a time and
+        catches every view up to the head it read at its start, so N writers cost one
+        or two rounds, not N (each round is a write transaction, the write lock's turn
+        each time: N of them starved `test_large_batches_async`'s 6,000 calls)."""
         got = await self._ml.append(events, wait=False)
-        await self._project(max(r.position for r in got))
-
-    async def _project(self, upto: int) -> None:
-        """Return once every view has reached `upto`. Concurrent writers share
-        projection rounds: one round runs at a time and catches every view up to the
-        head it read at its start, so N writers waiting together cost one or two rounds,
-        not N (each round is a transaction per view, the write lock's turn each time:
-        N rounds of them starved `test_large_batches_async`'s 6,000 concurrent calls)."""
-        while self._projected < upto:
-            if self._round is None or self._round.done():
-                self._round = asyncio.get_running_loop().create_task(self._one_round())
-            round_ = self._round
-            await asyncio.shield(round_)
-
-    async def _one_round(self) -> None:
-        self.rounds += 1
-        # the head is read inside the round's one view transaction (`Runner.round`)
-        head = await self._ml.runner.round()
-        self._projected = max(self._projected, head)
+        upto = max(r.position for r in got)
+        self._rounds.wrote(upto)
+        if wait:
+            await self._rounds.reach(upto)
 
     # -- TTL ---------------------------------------------------------------------------
     async def _sweep(self) -> int:
         await self._open()
+        await self._rounds.reach()
         now_us = time.time_ns() // 1000
         async with self._ml.store.read() as conn:
             due = await store_reads.expired(conn, self.tenant, now_us=now_us)
@@ -781,11 +919,12 @@ class MemledgerStore(BaseStore):
         events = [builders.forget_key(
             tenant=self.tenant, actor=self.source_id, namespace=path.split(NS_SEP)[:-1],
             key=key, source=self._source(), reason="ttl expired") for path, key in due]
-        await self._append(events)
+        await self._append(events, wait=True)
         return len(due)
 
     def sweep_ttl(self) -> int:
         """Forget every expired item (each one a `memory.forgotten`); returns how many."""
+        self._rounds.raise_failed()
         return self._call(self._sweep())
 
     def start_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> None:
@@ -821,6 +960,7 @@ class MemledgerStore(BaseStore):
     # -- beyond LangGraph --------------------------------------------------------------
     async def _history(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
         await self._open()
+        await self._rounds.reach()  # the stored history shows every put of this store
         ns = self._ns(namespace)
         if not self._owned(namespace):
             return []
@@ -832,10 +972,12 @@ class MemledgerStore(BaseStore):
     def history(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
         """Every version of an item, oldest first, with its source; forgotten ones
         redacted (memledger's `Principal.history`)."""
+        self._rounds.raise_failed()
         return self._call(self._history(tuple(namespace), key))
 
     async def ahistory(self, namespace: tuple[str, ...], key: str) -> list[MemoryVersion]:
         """`history`, awaitable."""
+        self._rounds.raise_failed()
         return await self._acall(self._history(tuple(namespace), key))
 
 
@@ -869,6 +1011,7 @@ class AsyncMemledgerStore(MemledgerStore):
         await self._acall(self._open())
 
     async def sweep_ttl(self) -> int:  # type: ignore[override]
+        self._rounds.raise_failed()
         return await self._acall(self._sweep())
 
     async def start_ttl_sweeper(  # type: ignore[override]

@@ -60,6 +60,7 @@ def test_principal_scope_sees_only_its_user(db_url: str) -> None:
     try:
         admin.put(("u7", "prefs"), "lang", {"v": "zh"})
         admin.put(("u8", "prefs"), "lang", {"v": "en"})
+        admin.flush()  # another store reads a put once its round has run
         u7 = MemledgerStore(url=db_url, principal="langgraph/u7")
         try:
             assert u7.get(("u8", "prefs"), "lang") is None
