@@ -594,13 +594,21 @@ class MemledgerStore(BaseStore):
                 break
             window = None
         kept = self._decoded(found[op.offset:op.offset + op.limit], opener)
-        created = store_reads.created_now(store, self.tenant, [r.slot for r, _, _ in kept])
+        created = self._created(store, [r for r, _, _ in kept])
         if created is None:
             return None
         return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
                            created_at=_at(created.get(r.slot) or r.order_key),
                            updated_at=_at(r.order_key), score=None)
                 for r, ns, value in kept]
+
+    def _created(self, store: Any, rows: Sequence[Any]) -> dict[str, bytes] | None:
+        """The created keys of a page's `below_now` rows, by slot: looked up for the
+        rows that are not their slot's first version only (`store_reads.first_of`)."""
+        known = store_reads.first_of(rows)
+        rest = store_reads.created_now(store, self.tenant,
+                                       [r.slot for r in rows if r.slot not in known])
+        return None if rest is None else known | rest
 
     @staticmethod
     def _ns_of(path: str, names: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
@@ -688,7 +696,7 @@ class MemledgerStore(BaseStore):
         order = _ranked(q, vecs, op.offset, op.limit)  # type: ignore[arg-type]  # no None
         page = [(got[0], score) for n, score in order
                 if (got := self._decoded([cands[n]], opener))]
-        created = store_reads.created_now(store, self.tenant, [c[0].slot for c, _ in page])
+        created = self._created(store, [c[0] for c, _ in page])
         if created is None:
             return None
         return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import bindparam, func, select, tuple_
+from sqlalchemy import bindparam, case, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -27,16 +27,32 @@ from projections.sql import PointQuery, point_rows, prefix_match
 _first = t.mem_versions.alias("first_version")
 
 
+def _first_of_slot(version: Any, order_key: Any, looked_up: Any) -> Any:
+    """SQL: a live row's created key, `looked_up` (the slot's first unforgotten order
+    key) evaluated only for a row that is not its slot's version 1.
+
+    The memories view numbers a slot's rows by their effective order from 1
+    (`projections.memory.resolve_slot`), and an active row of version 1 has no row of
+    its slot with a smaller order key (every other row ranks after it and is a pending
+    candidate, whose order key is its rank's; any other row would supersede it;
+    tests/memledger/test_langgraph_created.py), so its created key is its own order
+    key; a live row is unforgotten (every read tests its tombstones). Most items are
+    written once: the look-up, a sub-select with its own tombstone test, is saved for
+    them."""
+    return case((version == 1, order_key), else_=looked_up)
+
+
 def _created_key() -> Any:
     """SQL: the smallest order key among the slot's unforgotten versions (the first
-    write since the key was last forgotten)."""
+    write since the key was last forgotten), of a live row."""
     f = _first.c
+    mv = t.mem_versions.c
     # ORDER BY ... LIMIT 1, not min(): PostgreSQL has no min(bytea). The tenant test is
     # written so that no index serves it (`tenant || ''`): without statistics SQLite
     # chose `ix_mem_status` (tenant) over `ix_mem_slot` and read every version of the
     # tenant for each row (1-5 ms per LangGraph get on 5,000 items instead of ~25 us).
-    return (select(f.order_key).where(
-        f.tenant.concat("") == t.mem_versions.c.tenant, f.slot == t.mem_versions.c.slot,
+    return _first_of_slot(mv.version, mv.order_key, select(f.order_key).where(
+        f.tenant.concat("") == mv.tenant, f.slot == mv.slot,
         ~select(t.tombstones.c.position).where(
             covers_sql(t.tombstones.c, f)).exists())
         .order_by(f.order_key).limit(1).scalar_subquery())
@@ -107,9 +123,10 @@ async def expired(conn: AsyncConnection, tenant: str, *, now_us: int) -> list[tu
 #: A row of `_columns()` as the driver returns it, with the columns as attributes.
 Row = namedtuple("Row", ["memory_id", "ns_path", "mkey", "value", "order_key",  # type: ignore[misc]
                          "expires_us", "created_key"])
-#: A row of `below_now`: no `created_key` (`created_now` gives it for a page), the slot.
+#: A row of `below_now`: no `created_key` (`created_now` gives it for a page), the slot
+#: and the row's version (a version 1 row's created key is its order key: `first_of`).
 BelowRow = namedtuple("BelowRow", ["memory_id", "ns_path", "mkey", "value",  # type: ignore[misc]
-                                   "order_key", "expires_us", "slot"])
+                                   "order_key", "expires_us", "slot", "version"])
 #: A row of `page_now`: `BelowRow` and the slot's `created_key`.
 PageRow = namedtuple("PageRow", ["memory_id", "ns_path", "mkey", "value",  # type: ignore[misc]
                                  "order_key", "expires_us", "slot", "created_key"])
@@ -158,7 +175,7 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
                                       mv.mkey == bindparam("key"))
     elif kind == "below":
         q = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key, mv.expires_us,
-                   mv.slot).where(
+                   mv.slot, mv.version).where(
             *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
             func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
             == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id)
@@ -172,14 +189,15 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
         # select list of the ordered query SQLite would compute it for every row before
         # the sort), in the same statement, so in the same snapshot as the rows.
         inner = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key,
-                       mv.expires_us, mv.slot).where(
+                       mv.expires_us, mv.slot, mv.version).where(
             *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
             func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
             == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id).limit(
             bindparam("limit")).offset(bindparam("offset")).subquery("page")
         p = inner.c
         q = select(p.memory_id, p.ns_path, p.mkey, p.value, p.order_key, p.expires_us,
-                   p.slot, _first_key(p.slot).label("created_key")).order_by(
+                   p.slot, _first_of_slot(p.version, p.order_key, _first_key(p.slot))
+                   .label("created_key")).order_by(
             p.order_key.desc(), p.memory_id)
     else:  # created: the created key of each slot of a JSON list (SQLite's json_each)
         page = func.json_each(bindparam("slots")).table_valued("value").alias("page")
@@ -250,9 +268,16 @@ def namespaces_now(store: Store, tenant: str, *, now_us: int,
     return None if rows is None else [r[0] for r in rows]
 
 
+def first_of(rows: Sequence[Any]) -> dict[str, bytes]:
+    """The created keys that `below_now` rows give without a look-up: a version 1
+    row's own order key (`_first_of_slot`), by slot."""
+    return {r.slot: r.order_key for r in rows if r.version == 1}
+
+
 def created_now(store: Store, tenant: str, slots: Sequence[str]) -> dict[str, bytes] | None:
     """The created key (`_created_key`: the first unforgotten version's order key) of
-    each slot, on the calling thread; None where point reads are not available."""
+    each slot, on the calling thread; None where point reads are not available. A
+    caller asks for the slots `first_of` does not answer."""
     if not slots:
         return {}
     rows = point_rows(store, _point("created"), {
