@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any, Final
 
 import orjson
@@ -126,6 +127,13 @@ def _text(obj: dict[str, Any], key: str, where: str, *, required: bool,
 
 
 def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> str | None:
+    got = _moment(obj, key, where, required=required)
+    return None if got is None else got[0]
+
+
+def _moment(obj: dict[str, Any], key: str, where: str, *, required: bool
+            ) -> tuple[str, datetime] | None:
+    """`_timestamp`'s checks; the text and the moment it names (parsed once)."""
     field = f"{where}.{key}"
     if key not in obj or obj[key] is None:
         if required:
@@ -140,10 +148,9 @@ def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> 
             "(e.g. 2026-09-20T10:00:00+08:00)"
         )
     try:
-        parse_rfc3339(v)
+        return v, parse_rfc3339(v)
     except ValueError as e:
         raise _fail(field, f"is not a valid timestamp: {e}") from None
-    return v
 
 
 def _namespace(obj: dict[str, Any], key: str, tenant: str, *, min_len: int = 2) -> list[str]:
@@ -408,15 +415,16 @@ def _parse_source(src: object) -> Source:
     if kind not in SOURCE_KINDS:
         raise _fail("source.kind", f"must be one of {', '.join(SOURCE_KINDS)}")
     sid = _identifier(src, "id", "source")
-    at = _timestamp(src, "at", "source", required=True)
-    assert sid is not None and at is not None
+    got = _moment(src, "at", "source", required=True)
+    assert sid is not None and got is not None
+    at, moment = got
     seq = src.get("seq")
     if seq is not None and (
         isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ
     ):
         raise _fail("source.seq", "must be an integer >= 0")
     event_id = _identifier(src, "event_id", "source", required=False)
-    return Source(str(kind), sid, at, seq, event_id, to_us(parse_rfc3339(at)))
+    return Source(str(kind), sid, at, seq, event_id, to_us(moment))
 
 
 def _default_text(key: str, value: Any) -> str:
