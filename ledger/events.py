@@ -224,6 +224,18 @@ class Event:
                 self.idempotency_key)
         return key
 
+    @property
+    def has_derived_id(self) -> bool:
+        """A write whose memory id is the derived one (`derive_memory_id`)."""
+        mid = self.data.get("memory_id") if self.type in MEMORY_WRITES else None
+        if mid is None:
+            return False
+        known = self._memo.get("derived")
+        if known is None:
+            known = self._memo["derived"] = derive_memory_id(self.tenant,
+                                                             self.idempotency_key)
+        return bool(mid == known)
+
     # -- typed accessors ---------------------------------------------------------------
     @property
     def is_write(self) -> bool:

@@ -20,6 +20,7 @@ from ledger.events import (
     CANDIDATE_KINDS,
     EVENT_TYPES,
     LAYERS,
+    MEMORY_WRITES,
     NOTE_KINDS,
     SOURCE_KINDS,
     UNTRUSTED_KINDS,
@@ -83,6 +84,7 @@ _FORGET_KINDS: Final = frozenset(
     {"explicit_user_request", "user_statement", "operator", "system_of_record"}
 )
 _PURGE_KINDS: Final = frozenset({"operator", "system_of_record"})
+_WRITES: Final = MEMORY_WRITES
 
 
 def _fail(field: str, rule: str) -> ValidationError:
@@ -92,12 +94,14 @@ def _fail(field: str, rule: str) -> ValidationError:
 def _identifier(obj: dict[str, Any], key: str, where: str, *, required: bool = True,
                 max_chars: int = MAX_ID_CHARS) -> str | None:
     """A non-empty string without control characters."""
-    field = f"{where}.{key}" if where else key
-    if key not in obj or obj[key] is None:
-        if required:
-            raise _fail(field, "is required")
+    v = obj.get(key)
+    if type(v) is str and v and len(v) <= max_chars and _CONTROL.search(v) is None:
+        return v  # the common cases: no field name to build
+    if v is None and not required:
         return None
-    v = obj[key]
+    field = f"{where}.{key}" if where else key
+    if v is None:
+        raise _fail(field, "is required")
     if not isinstance(v, str):
         raise _fail(field, f"must be a string, got {type(v).__name__}")
     if not v:
@@ -180,6 +184,8 @@ def _no_secrets(value: Any, path: str) -> None:
 
 
 def _check_keys(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    if allowed.issuperset(obj):
+        return
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise _fail(f"{where}.{unknown[0]}" if where else unknown[0],
@@ -345,10 +351,12 @@ def _collect(v: dict[str, Any] | list[Any], depth: int, add: Callable[[str], Non
     if type(v) is dict:
         members = len(v)
         for k in v:
+            # a field name names no secret (`_PLAIN_WORDS`, checked by a test)
+            if k in _PLAIN_WORDS and type(k) is str:
+                continue
             if type(k) is not str or secret_key_kind(k) is not None:
                 raise _NotPlain
-            if k not in _PLAIN_WORDS:
-                add(k)
+            add(k)
         children = v.values()
     else:
         children = v
@@ -404,7 +412,11 @@ def _parse_checked(obj: dict[str, Any]) -> Event:
         raise _fail("data", "must be a JSON object")
     _check_keys(data_obj, _DATA_KEYS[etype], "data")
     data = _PARSERS[etype](dict(data_obj), tenant, actor, source, key)
-    return Event(etype, key, tenant, actor, source, data, expected)
+    ev = Event(etype, key, tenant, actor, source, data, expected)
+    if etype in _WRITES and data_obj.get("memory_id") is None:
+        # derived here: the appender need not hash it again to know (`derived_id`)
+        ev._memo["derived"] = data["memory_id"]
+    return ev
 
 
 def _parse_source(src: object) -> Source:
@@ -476,8 +488,10 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         "memory_id": memory_id or derive_memory_id(tenant, idem),
         "text": text if text is not None else _default_text(key, value),
     }
-    scalar = isinstance(value, str | int | float) and not isinstance(value, bool)
-    kind = find_secret_in_text(out["text"]) if text is None and scalar else None
+    # The default text is stored with the event: scanned as it reads, whatever the
+    # value (a list or object too: ["密码：", "x"] reads `密码：","x"]`, which a
+    # later decode of the stored event would refuse).
+    kind = find_secret_in_text(out["text"]) if text is None else None
     if kind is not None:
         # Key and value read together, as the default text shows them: {"key": "pw",
         # "value": "Hunter2!"} is "pw: Hunter2!".
