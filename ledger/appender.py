@@ -29,11 +29,11 @@ from ledger.errors import (
     ValidationError,
 )
 from ledger.events import (
+    MEMORY_WRITES,
     NS_SEP,
     TASK_TYPES,
     USER_KINDS,
     Event,
-    derive_memory_id,
     ns_path,
 )
 from ledger.forgets import (
@@ -116,14 +116,18 @@ def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
     elif owner_path is not None:
         nsp = owner_path
     s = ev.source
+    mid = d.get("memory_id")
+    tk = d.get("task_key")
+    is_write = ev.type in MEMORY_WRITES
     return {
         "position": position, "tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
         "type": ev.type, "actor": ev.actor, "source_kind": s.kind, "source_id": s.id,
         "source_at": s.at, "source_seq": s.seq, "source_event_id": s.event_id,
-        "order_key": ev.order, "slot": ev.slot, "memory_id": ev.memory_id,
+        "order_key": ev.order, "slot": ev.slot if is_write else None,
+        "memory_id": None if mid is None else str(mid),
         "ns_path": nsp, "mkey": d.get("key"), "layer": d.get("layer"),
-        "task_key": ev.task_key,
-        "supersedes": d.get("supersedes") if ev.is_write else None,
+        "task_key": None if tk is None else str(tk),
+        "supersedes": d.get("supersedes") if is_write else None,
         # A suppressed event keeps its envelope and digest, never its content (R22).
         "payload": None if suppressed else ev.encode(),
         "content_digest": ev.content_digest, "recorded_at": recorded, "suppressed": suppressed,
@@ -157,8 +161,8 @@ class Appender:
         tenants = sorted({e.tenant for e in evs})
         # A derived id needs no lookup: it is unique when its idempotency key is, and no
         # explicit id may take that form (validation). Targets of marks are looked up.
-        mids = sorted({(e.tenant, e.memory_id) for e in evs if e.memory_id and not (
-            e.is_write and e.memory_id == derive_memory_id(e.tenant, e.idempotency_key))})
+        mids = sorted({(e.tenant, e.memory_id) for e in evs
+                       if e.memory_id and not e.has_derived_id})
         tks = sorted({(e.tenant, e.task_key) for e in evs if e.task_key})
         c, rec = self.conn, self.recorder
         for tenant, key, dig, pos, sup in await rec.known_keys(c, keys):

@@ -87,9 +87,15 @@ def parse_rfc3339(text: str) -> datetime:
     return moment
 
 
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def to_us(moment: datetime) -> int:
     """Microseconds since the epoch, UTC, for an aware datetime."""
-    delta = moment.astimezone(UTC) - datetime(1970, 1, 1, tzinfo=UTC)
+    if moment.tzinfo is None:  # a naive time is local time, as `astimezone` reads it
+        moment = moment.astimezone(UTC)
+    # aware minus aware is computed in UTC (no conversion of its own to overflow)
+    delta = moment - _EPOCH
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
@@ -181,7 +187,22 @@ class Event:
         """Canonical JSON of the whole event."""
         enc: bytes | None = self._memo.get("enc")
         if enc is None:
-            enc = self._memo["enc"] = encode_json(self.to_wire())
+            # `to_wire` without its copies (orjson only reads): the same object, so the
+            # same bytes.
+            s = self.source
+            src: dict[str, Any] = {"kind": s.kind, "id": s.id, "at": s.at}
+            if s.seq is not None:
+                src["seq"] = s.seq
+            if s.event_id is not None:
+                src["event_id"] = s.event_id
+            data = self.data
+            out: dict[str, Any] = {
+                "type": self.type, "idempotency_key": self.idempotency_key,
+                "tenant": self.tenant, "actor": self.actor, "source": src,
+                "data": data if type(data) is dict else dict(data)}
+            if self.expected_version is not None:
+                out["expected_version"] = self.expected_version
+            enc = self._memo["enc"] = encode_json(out)
         return enc
 
     @property
@@ -202,6 +223,18 @@ class Event:
                 self.source.at_us, self.source.seq or 0, self.source.id,
                 self.idempotency_key)
         return key
+
+    @property
+    def has_derived_id(self) -> bool:
+        """A write whose memory id is the derived one (`derive_memory_id`)."""
+        mid = self.data.get("memory_id") if self.type in MEMORY_WRITES else None
+        if mid is None:
+            return False
+        known = self._memo.get("derived")
+        if known is None:
+            known = self._memo["derived"] = derive_memory_id(self.tenant,
+                                                             self.idempotency_key)
+        return bool(mid == known)
 
     # -- typed accessors ---------------------------------------------------------------
     @property

@@ -51,7 +51,7 @@ class Store:
     def __init__(self, url: str | None = None, *, register_path: str | None = None,
                  pool_size: int = 5, write_turns: bool = False,
                  vault: bool | KeyStore | None = None,
-                 clock: Callable[[], str] = now_iso) -> None:
+                 clock: Callable[[], str] = now_iso, inline_appends: bool = True) -> None:
         """`write_turns`: write transactions take turns with other processes on the
         same SQLite file (`ledger.backends.sqlite.WriteTurn`; the worker daemons).
 
@@ -62,7 +62,13 @@ class Store:
 
         `clock` gives the recording time of an append (`events.recorded_at`, the axis
         of as-of reads): the UTC wall clock, RFC 3339 with microseconds; a test that
-        replays a story as it happened sets its own."""
+        replays a story as it happened sets its own.
+
+        `inline_appends` (on by default): on a SQLite file, the append path's group
+        commits run on a thread of their own with a plain `sqlite3` connection
+        (`ledger.inline`), one hand-off per transaction instead of four per statement
+        through aiosqlite, whether or not `use_inline` puts the other write
+        transactions there too. Off, or on any other database: the async driver."""
         self.url = url or os.environ.get("MEMLEDGER_DB_URL") or DEFAULT_URL
         self.recorder = recorder_for(self.url, pool_size=pool_size, write_turns=write_turns)
         self.turn = self.recorder.turn
@@ -87,13 +93,18 @@ class Store:
         #: (`ledger.inline`); None: through the async driver, statement by statement.
         #: `use_inline` turns it on.
         self.inline: InlineWrites | None = None
+        #: Where the group commits run when `inline` is off (`inline_appends`).
+        self._append_inline: InlineWrites | None = (
+            InlineWrites.of(self.url, self.vault, self.turn) if inline_appends else None)
 
     def use_inline(self) -> bool:
         """Run write transactions on a thread of their own where the store is a SQLite
         file (`ledger.inline`); returns whether it is on. For a process that appends
         and projects in turn and waits for both (the LangGraph store)."""
         if self.inline is None:
-            self.inline = InlineWrites.of(self.url, self.vault, self.turn)
+            # the appends' thread, if they have one: a process's writes queue on one thread
+            self.inline = self._append_inline or InlineWrites.of(self.url, self.vault,
+                                                                 self.turn)
         return self.inline is not None
 
     # -- transactions (the recorder's) ----------------------------------------------------
@@ -204,6 +215,8 @@ class Store:
             self._writer = None
         if self.inline is not None:
             await self.inline.close()
+        if self._append_inline is not None and self._append_inline is not self.inline:
+            await self._append_inline.close()
         await self.recorder.dispose()
         if self.vault is not None:
             self.vault.close()
@@ -255,9 +268,13 @@ class Store:
     async def _commit_group(self, group: list[Request]) -> None:
         outcomes: list[list[AppendResult] | BaseException] = []
         head = 0
+        inline = self.inline or self._append_inline
         try:
-            head, outcomes = await self.transaction(
-                lambda conn: Appender(self, conn).run(group), views=False)
+            if inline is not None:
+                head, outcomes = await inline.run(lambda conn: Appender(self, conn).run(group))
+            else:
+                head, outcomes = await self.transaction(
+                    lambda conn: Appender(self, conn).run(group), views=False)
         except BaseException as e:
             err = e if isinstance(e, MemledgerError) else StoreUnavailable(
                 f"append failed: {short_error(e)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any, Final
 
 import orjson
@@ -19,6 +20,7 @@ from ledger.events import (
     CANDIDATE_KINDS,
     EVENT_TYPES,
     LAYERS,
+    MEMORY_WRITES,
     NOTE_KINDS,
     SOURCE_KINDS,
     UNTRUSTED_KINDS,
@@ -82,6 +84,7 @@ _FORGET_KINDS: Final = frozenset(
     {"explicit_user_request", "user_statement", "operator", "system_of_record"}
 )
 _PURGE_KINDS: Final = frozenset({"operator", "system_of_record"})
+_WRITES: Final = MEMORY_WRITES
 
 
 def _fail(field: str, rule: str) -> ValidationError:
@@ -91,12 +94,14 @@ def _fail(field: str, rule: str) -> ValidationError:
 def _identifier(obj: dict[str, Any], key: str, where: str, *, required: bool = True,
                 max_chars: int = MAX_ID_CHARS) -> str | None:
     """A non-empty string without control characters."""
-    field = f"{where}.{key}" if where else key
-    if key not in obj or obj[key] is None:
-        if required:
-            raise _fail(field, "is required")
+    v = obj.get(key)
+    if type(v) is str and v and len(v) <= max_chars and _CONTROL.search(v) is None:
+        return v  # the common cases: no field name to build
+    if v is None and not required:
         return None
-    v = obj[key]
+    field = f"{where}.{key}" if where else key
+    if v is None:
+        raise _fail(field, "is required")
     if not isinstance(v, str):
         raise _fail(field, f"must be a string, got {type(v).__name__}")
     if not v:
@@ -126,6 +131,13 @@ def _text(obj: dict[str, Any], key: str, where: str, *, required: bool,
 
 
 def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> str | None:
+    got = _moment(obj, key, where, required=required)
+    return None if got is None else got[0]
+
+
+def _moment(obj: dict[str, Any], key: str, where: str, *, required: bool
+            ) -> tuple[str, datetime] | None:
+    """`_timestamp`'s checks; the text and the moment it names (parsed once)."""
     field = f"{where}.{key}"
     if key not in obj or obj[key] is None:
         if required:
@@ -140,10 +152,9 @@ def _timestamp(obj: dict[str, Any], key: str, where: str, *, required: bool) -> 
             "(e.g. 2026-09-20T10:00:00+08:00)"
         )
     try:
-        parse_rfc3339(v)
+        return v, parse_rfc3339(v)
     except ValueError as e:
         raise _fail(field, f"is not a valid timestamp: {e}") from None
-    return v
 
 
 def _namespace(obj: dict[str, Any], key: str, tenant: str, *, min_len: int = 2) -> list[str]:
@@ -173,6 +184,8 @@ def _no_secrets(value: Any, path: str) -> None:
 
 
 def _check_keys(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    if allowed.issuperset(obj):
+        return
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise _fail(f"{where}.{unknown[0]}" if where else unknown[0],
@@ -338,10 +351,12 @@ def _collect(v: dict[str, Any] | list[Any], depth: int, add: Callable[[str], Non
     if type(v) is dict:
         members = len(v)
         for k in v:
+            # a field name names no secret (`_PLAIN_WORDS`, checked by a test)
+            if k in _PLAIN_WORDS and type(k) is str:
+                continue
             if type(k) is not str or secret_key_kind(k) is not None:
                 raise _NotPlain
-            if k not in _PLAIN_WORDS:
-                add(k)
+            add(k)
         children = v.values()
     else:
         children = v
@@ -397,7 +412,11 @@ def _parse_checked(obj: dict[str, Any]) -> Event:
         raise _fail("data", "must be a JSON object")
     _check_keys(data_obj, _DATA_KEYS[etype], "data")
     data = _PARSERS[etype](dict(data_obj), tenant, actor, source, key)
-    return Event(etype, key, tenant, actor, source, data, expected)
+    ev = Event(etype, key, tenant, actor, source, data, expected)
+    if etype in _WRITES and data_obj.get("memory_id") is None:
+        # derived here: the appender need not hash it again to know (`derived_id`)
+        ev._memo["derived"] = data["memory_id"]
+    return ev
 
 
 def _parse_source(src: object) -> Source:
@@ -408,15 +427,16 @@ def _parse_source(src: object) -> Source:
     if kind not in SOURCE_KINDS:
         raise _fail("source.kind", f"must be one of {', '.join(SOURCE_KINDS)}")
     sid = _identifier(src, "id", "source")
-    at = _timestamp(src, "at", "source", required=True)
-    assert sid is not None and at is not None
+    got = _moment(src, "at", "source", required=True)
+    assert sid is not None and got is not None
+    at, moment = got
     seq = src.get("seq")
     if seq is not None and (
         isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ
     ):
         raise _fail("source.seq", "must be an integer >= 0")
     event_id = _identifier(src, "event_id", "source", required=False)
-    return Source(str(kind), sid, at, seq, event_id, to_us(parse_rfc3339(at)))
+    return Source(str(kind), sid, at, seq, event_id, to_us(moment))
 
 
 def _default_text(key: str, value: Any) -> str:
@@ -468,8 +488,10 @@ def _memory_write(d: dict[str, Any], tenant: str, actor: str, source: Source,
         "memory_id": memory_id or derive_memory_id(tenant, idem),
         "text": text if text is not None else _default_text(key, value),
     }
-    scalar = isinstance(value, str | int | float) and not isinstance(value, bool)
-    kind = find_secret_in_text(out["text"]) if text is None and scalar else None
+    # The default text is stored with the event: scanned as it reads, whatever the
+    # value (a list or object too: ["密码：", "x"] reads `密码：","x"]`, which a
+    # later decode of the stored event would refuse).
+    kind = find_secret_in_text(out["text"]) if text is None else None
     if kind is not None:
         # Key and value read together, as the default text shows them: {"key": "pw",
         # "value": "Hunter2!"} is "pw: Hunter2!".

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, cast
+from typing import Any, ClassVar, Final, NamedTuple, cast
 
 import asyncpg
 import structlog
@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
+from ledger.chain import GENESIS
 from ledger.errors import StoreUnavailable
 from ledger.events import MEMORY_WRITES
 from ledger.recorder import (
@@ -110,6 +111,37 @@ _TASK_OWNERS: Final = (
     "SELECT o.tenant, o.task_key, o.ns_path "
     "FROM unnest($1::text[], $2::text[]) AS k(tenant, task_key) "
     "JOIN task_owners o ON o.tenant = k.tenant AND o.task_key = k.task_key")
+#: `lock_events`' two statements in one (a DO block runs as one statement in the
+#: transaction: the setting and the table lock both last until it ends).
+_LOCK_EVENTS: Final = text(
+    "DO $$ BEGIN PERFORM set_config('lock_timeout', '" + LOCK_TIMEOUT + "', true); "
+    "LOCK TABLE events IN EXCLUSIVE MODE; END $$")
+_LAST_LINK: Final = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
+_TOMBSTONE_COLUMNS: Final = ("position", "tenant", "kind", "memory_id", "ns_path", "mkey",
+                             "task_key", "order_key")
+#: `select_tombstones` by (tenants given, upto given).
+_SELECT_TOMBSTONES: Final = {
+    (tenants, upto): f"SELECT {', '.join(_TOMBSTONE_COLUMNS)} FROM tombstones"
+    + (" WHERE " if tenants or upto else "")
+    + " AND ".join((["tenant = ANY($1::text[])"] if tenants else [])
+                   + ([f"position <= ${2 if tenants else 1}"] if upto else []))
+    for tenants in (False, True) for upto in (False, True)}
+
+
+class TombstoneRow(NamedTuple):
+    """A `tombstones` row read on the driver's connection (what
+    `ledger.forgets.tombstone_from_row` reads of SQLAlchemy's rows)."""
+
+    position: int
+    tenant: str
+    kind: str
+    memory_id: str | None
+    ns_path: str | None
+    mkey: str | None
+    task_key: str | None
+    order_key: bytes
+
+
 _BTREE_INDEXES: Final = text(
     "SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
     "JOIN pg_class tc ON tc.oid = i.indrelid JOIN pg_am am ON am.oid = ic.relam "
@@ -438,8 +470,43 @@ class PostgresRecorder(Recorder):
             await retrying.close_spare()
 
     async def lock_events(self, conn: AsyncConnection) -> None:
-        await conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-        await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
+        """`SET LOCAL lock_timeout` then `LOCK TABLE events IN EXCLUSIVE MODE`, as one
+        statement (`_LOCK_EVENTS`: one round trip where two statements took two; both
+        hold to the end of the transaction, as they did)."""
+        await conn.execute(_LOCK_EVENTS)
+
+    async def last_link(self, conn: AsyncConnection) -> tuple[int, str]:
+        """The last link by one prepared statement on the driver's connection."""
+        driver = await _driver_of(conn)
+        if not driver.is_in_transaction():
+            return await super().last_link(conn)
+        async with _driver_errors(conn, _LAST_LINK):
+            last = await driver.fetchrow(_LAST_LINK)
+        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
+
+    async def select_tombstones(self, conn: AsyncConnection,
+                                tenants: Iterable[str] | None = None,
+                                upto: int | None = None) -> Sequence[Any]:
+        """One prepared statement on the driver's connection (the tenants as an array,
+        so the SQL never changes), rows as `TombstoneRow`s."""
+        args: list[Any] = []
+        if tenants is not None:
+            args.append(sorted(set(tenants)))
+        if upto is not None:
+            args.append(upto)
+        sql = _SELECT_TOMBSTONES[(tenants is not None, upto is not None)]
+        driver = await _driver_of(conn)
+        if not driver.is_in_transaction():
+            # not begun yet (SQLAlchemy begins at its first statement), or autocommit
+            return await super().select_tombstones(conn, tenants, upto)
+        async with _driver_errors(conn, sql):
+            rows = await driver.fetch(sql, *args)
+        return [TombstoneRow(*r) for r in rows]
+
+    async def insert_tombstones(self, conn: AsyncConnection,
+                                rows: Sequence[dict[str, Any]]) -> None:
+        """As view rows are written: one statement on the driver's connection."""
+        await self.write_rows(conn, t.tombstones, rows)
 
     async def begin_snapshot(self, conn: AsyncConnection) -> None:
         await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))

@@ -35,27 +35,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import operator
 import os
 import queue
 import sqlite3
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
+import orjson
 from sqlalchemy import Table
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Insert
 
+from ledger.chain import GENESIS
+from ledger.events import MEMORY_WRITES
 from ledger.recorder import (
     EVENT_COLUMNS,
+    EVENT_TUPLE,
     IntegrityReport,
     Recorder,
     WriteLock,
@@ -67,12 +72,59 @@ PRAGMAS: Final = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL"
                   "secure_delete=ON", "foreign_keys=ON")
 #: How long a writer waits for its turn before going ahead without it.
 TURN_TIMEOUT_S: Final = 30.0
+#: How often `reclaim` tries a truncating checkpoint that another one kept busy, and
+#: how long it waits between tries.
+RECLAIM_TRIES: Final = 50
+RECLAIM_WAIT_S: Final = 0.02
 #: The turn file: the database's path plus this.
 TURN_SUFFIX: Final = "-turn"
 #: The lock file a schema migration holds: the database's path plus this.
 MIGRATE_SUFFIX: Final = "-migrate"
 _INSERT_EVENTS: Final = (f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
                          f"VALUES ({', '.join('?' for _ in EVENT_COLUMNS)})")
+#: The append path's statements on the inline thread's plain `sqlite3` connection
+#: (`SQLiteRecorder._driver`): fixed SQL text, so `sqlite3` prepares each once per
+#: connection (its statement cache), and the pairs go as one JSON array (`json_each`)
+#: whatever their number. `CROSS JOIN` keeps the array as the outer loop, so each pair
+#: is one look-up in the table's index on `(tenant, ...)`.
+_PAIRS_JOIN: Final = ("FROM json_each(?) AS k CROSS JOIN {table} AS e "
+                      "ON e.tenant = json_extract(k.value, '$[0]') "
+                      "AND e.{column} = json_extract(k.value, '$[1]')")
+_KNOWN_KEYS: Final = ("SELECT e.tenant, e.idempotency_key, e.content_digest, e.position, "
+                      "e.suppressed " + _PAIRS_JOIN.format(table="events",
+                                                          column="idempotency_key"))
+_MEMORY_WRITERS: Final = (
+    "SELECT e.tenant, e.memory_id, e.ns_path "
+    + _PAIRS_JOIN.format(table="events", column="memory_id")
+    + " WHERE e.type IN (" + ", ".join(f"'{t}'" for t in sorted(MEMORY_WRITES)) + ")")
+_TASK_OWNERS: Final = ("SELECT e.tenant, e.task_key, e.ns_path "
+                       + _PAIRS_JOIN.format(table="task_owners", column="task_key"))
+_LAST_LINK: Final = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
+_TOMBSTONE_COLUMNS: Final = ("position", "tenant", "kind", "memory_id", "ns_path", "mkey",
+                             "task_key", "order_key")
+_INSERT_TOMBSTONES: Final = (f"INSERT INTO tombstones ({', '.join(_TOMBSTONE_COLUMNS)}) "
+                             f"VALUES ({', '.join('?' for _ in _TOMBSTONE_COLUMNS)})")
+_TOMBSTONE_TUPLE: Final = operator.itemgetter(*_TOMBSTONE_COLUMNS)
+#: `select_tombstones` by (tenants given, upto given).
+_SELECT_TOMBSTONES: Final = {
+    (tenants, upto): f"SELECT {', '.join(_TOMBSTONE_COLUMNS)} FROM tombstones"
+    + " AND ".join(([" WHERE tenant IN (SELECT value FROM json_each(?))"] if tenants else [])
+                   + ([("" if tenants else " WHERE ") + "position <= ?"] if upto else []))
+    for tenants in (False, True) for upto in (False, True)}
+
+
+class TombstoneRow(NamedTuple):
+    """A `tombstones` row read on the inline thread's connection (what
+    `ledger.forgets.tombstone_from_row` reads of SQLAlchemy's rows)."""
+
+    position: int
+    tenant: str
+    kind: str
+    memory_id: str | None
+    ns_path: str | None
+    mkey: str | None
+    task_key: str | None
+    order_key: bytes
 
 
 class SQLiteRecorder(Recorder):
@@ -92,6 +144,83 @@ class SQLiteRecorder(Recorder):
     def point_reads(self) -> PointReads | None:
         """Plain `sqlite3` reads on the calling thread, for file databases."""
         return self._points
+
+    # -- the append path on the inline thread's own connection ------------------------------
+    @staticmethod
+    def _driver(conn: Any) -> sqlite3.Connection | None:
+        """The plain `sqlite3` connection under a connection of the inline thread
+        (`ledger.inline.SyncBacked`, inside its transaction), else None: an
+        `AsyncConnection` of the async driver takes the generic statements."""
+        if isinstance(conn, AsyncConnection):
+            return None
+        sync = getattr(conn, "sync_connection", None)
+        raw = getattr(getattr(sync, "connection", None), "driver_connection", None)
+        return raw if isinstance(raw, sqlite3.Connection) else None
+
+    async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+                            ) -> None:
+        db = self._driver(conn)
+        if db is None:
+            await super().insert_events(conn, rows)
+            return
+        if self.vault is not None:
+            self.vault.seal_rows(rows)
+        with _driver_errors(_INSERT_EVENTS):
+            db.executemany(_INSERT_EVENTS, map(EVENT_TUPLE, rows))
+
+    async def insert_tombstones(self, conn: AsyncConnection,
+                                rows: Sequence[dict[str, Any]]) -> None:
+        db = self._driver(conn)
+        if db is None:
+            await super().insert_tombstones(conn, rows)
+            return
+        with _driver_errors(_INSERT_TOMBSTONES):
+            db.executemany(_INSERT_TOMBSTONES, map(_TOMBSTONE_TUPLE, rows))
+
+    async def select_tombstones(self, conn: AsyncConnection,
+                                tenants: Iterable[str] | None = None,
+                                upto: int | None = None) -> Sequence[Any]:
+        db = self._driver(conn)
+        if db is None:
+            return await super().select_tombstones(conn, tenants, upto)
+        params: list[Any] = []
+        if tenants is not None:
+            params.append(_json_array(sorted(set(tenants))))
+        if upto is not None:
+            params.append(upto)
+        sql = _SELECT_TOMBSTONES[(tenants is not None, upto is not None)]
+        with _driver_errors(sql):
+            return [TombstoneRow._make(r) for r in db.execute(sql, params).fetchall()]
+
+    async def known_keys(self, conn: AsyncConnection, keys: Sequence[tuple[str, str]]
+                         ) -> list[tuple[str, str, str, int, bool]]:
+        db = self._driver(conn)
+        if db is None:
+            return await super().known_keys(conn, keys)
+        return [(r[0], r[1], r[2], int(r[3]), bool(r[4]))
+                for r in _pairs(db, _KNOWN_KEYS, keys)]
+
+    async def memory_writers(self, conn: AsyncConnection, ids: Sequence[tuple[str, str]]
+                             ) -> list[tuple[str, str, str]]:
+        db = self._driver(conn)
+        if db is None:
+            return await super().memory_writers(conn, ids)
+        return [(r[0], r[1], r[2]) for r in _pairs(db, _MEMORY_WRITERS, ids)]
+
+    async def task_owner_paths(self, conn: AsyncConnection, tasks: Sequence[tuple[str, str]]
+                               ) -> list[tuple[str, str, str]]:
+        db = self._driver(conn)
+        if db is None:
+            return await super().task_owner_paths(conn, tasks)
+        return [(r[0], r[1], r[2]) for r in _pairs(db, _TASK_OWNERS, tasks)]
+
+    async def last_link(self, conn: AsyncConnection) -> tuple[int, str]:
+        db = self._driver(conn)
+        if db is None:
+            return await super().last_link(conn)
+        with _driver_errors(_LAST_LINK):
+            last = db.execute(_LAST_LINK).fetchone()
+        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
 
     def create_engine(self, pool_size: int) -> AsyncEngine:
         engine = create_async_engine(self.url, poolclass=NullPool
@@ -191,9 +320,18 @@ class SQLiteRecorder(Recorder):
 
     async def reclaim(self) -> None:
         """Move the WAL into the main file and truncate it (with secure_delete on, the
-        erased bytes are then gone from the files)."""
+        erased bytes are then gone from the files).
+
+        A checkpoint another connection is running (an inline thread's PASSIVE one,
+        `ledger.inline.Checkpointer`, or another process's) makes this one return busy
+        at once, without the busy timeout: it is tried again, for up to
+        `RECLAIM_TRIES` short waits, until SQLite says the log was truncated."""
         async with self._read_once() as conn:
-            await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            for _ in range(RECLAIM_TRIES):
+                row = (await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")).first()
+                if row is None or not row[0]:
+                    return
+                await asyncio.sleep(RECLAIM_WAIT_S)
 
     async def compact(self) -> None:
         async with self.engine.connect() as c0:
@@ -303,6 +441,32 @@ class PointReads:
             if h.forks == _FORKS[0]:
                 with contextlib.suppress(sqlite3.Error):
                     h.conn.close()
+
+
+def _json_array(items: Sequence[Any]) -> str:
+    """A JSON array of strings (or pairs of them) for `json_each`: the append path's
+    strings are valid text without NUL (validation), so they round-trip exactly."""
+    return orjson.dumps(items).decode()
+
+
+def _pairs(db: sqlite3.Connection, sql: str, pairs: Sequence[tuple[str, str]]
+           ) -> list[Any]:
+    """The rows of one of the append path's pair look-ups (none for no pairs)."""
+    if not pairs:
+        return []
+    with _driver_errors(sql):
+        return db.execute(sql, (_json_array(pairs),)).fetchall()
+
+
+@contextlib.contextmanager
+def _driver_errors(statement: str) -> Iterator[None]:
+    """`sqlite3` errors of a statement run on the driver's connection, as the SQLAlchemy
+    errors the same statement through the engine raises (so a damaged file is still
+    `DatabaseCorrupt` and a busy one `StoreUnavailable`: `raise_translated`)."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        raise DBAPIError.instance(statement, None, e, sqlite3.Error) from e
 
 
 def file_path(url: str) -> str | None:
