@@ -68,7 +68,7 @@ from projections.memory import (
 from projections.principal_index import PrincipalIndex, norm_key
 from projections.ranking import rank, relevant_tasks
 from projections.recall_audit import write_audit
-from projections.sql import PointQuery, chunks, point_rows, prefix_match
+from projections.sql import PointQuery, chunks, point_rows, prefix_match, prefix_range_of
 from projections.tasks import Note, note_body, summarize
 from projections.vectors import from_blobs, memory_text, store_embedder
 
@@ -352,11 +352,8 @@ def stored_now(store: Store, who: reads.Principal, instant: Instant
 
 
 def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
-    """`projections.sql.prefix_range` for a connection: on SQLite (bytewise TEXT) a
-    range an index on `(tenant, ns_path, ...)` serves; nothing elsewhere."""
-    if conn.dialect.name != "sqlite":
-        return []
-    return [col >= prefix, col < prefix[:-1] + "\x20"]
+    """`projections.sql.prefix_range_of` (the backend's branch lives there)."""
+    return prefix_range_of(conn, col, prefix)
 
 
 def _live(r: SimpleNamespace, now_us: int) -> bool:

@@ -34,7 +34,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from sqlalchemy import ARRAY, BigInteger, String, and_, bindparam, func, or_, select, update
+from sqlalchemy import and_, bindparam, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -52,6 +52,7 @@ from projections.memory import write_fact_of_row as _write_fact_of_row
 from projections.sql import (
     any_of,
     batches,
+    close_history_rows,
     fetch,
     in_list,
     insert_rows,
@@ -242,7 +243,7 @@ class HistoryProjection:
         changes = _Changes()
         forgets = await _batch(store, conn, batch, done, changes)
         if changes.closed:
-            await _close(store, conn, changes.closed)
+            await close_history_rows(conn, changes.closed)
         await _embed(store, conn, changes.rows)
         await insert_rows(store, conn, t.mem_history, changes.rows)
         mh = t.mem_history.c
@@ -250,41 +251,6 @@ class HistoryProjection:
             await conn.execute(update(t.mem_history).where(
                 covers_sql(ts, mh), mh.redacted.is_(False)).values(
                 **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))
-
-
-async def _close(store: Store, conn: AsyncConnection, closed: Sequence[dict[str, Any]]
-                 ) -> None:
-    """Close open rows (by primary key) at the positions given.
-
-    PostgreSQL: one `UPDATE ... FROM unnest(...)` of one array per key column (a
-    statement built once): an executemany costs SQLAlchemy's parameter processing per
-    row and the server one execution per row. Elsewhere an executemany by key."""
-    mh = t.mem_history.c
-    if conn.dialect.name == "postgresql":
-        await conn.execute(prepared("history.close.pg", _close_pg), {
-            "tenants": [r["k_tenant"] for r in closed],
-            "ids": [r["k_memory_id"] for r in closed],
-            "froms": [r["k_valid_from"] for r in closed],
-            "tos": [r["k_valid_to"] for r in closed]})
-        return
-    await conn.execute(update(t.mem_history).where(
-        mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
-        mh.valid_from == bindparam("k_valid_from")).values(
-        valid_to=bindparam("k_valid_to")), closed)
-
-
-def _close_pg() -> Any:
-    """PostgreSQL: UPDATE `mem_history` rows by primary key (`:tenants`, `:ids`,
-    `:froms`, arrays of one row each) setting `valid_to` from `:tos`."""
-    mh = t.mem_history.c
-    keys = func.unnest(bindparam("tenants", type_=ARRAY(String)),
-                       bindparam("ids", type_=ARRAY(String)),
-                       bindparam("froms", type_=ARRAY(BigInteger)),
-                       bindparam("tos", type_=ARRAY(BigInteger))).table_valued(
-        "tenant", "memory_id", "valid_from", "valid_to").render_derived()
-    return update(t.mem_history).where(
-        mh.tenant == keys.c.tenant, mh.memory_id == keys.c.memory_id,
-        mh.valid_from == keys.c.valid_from).values(valid_to=keys.c.valid_to)
 
 
 def _by_slot(rows: Iterable[Any], tenant_of: dict[str, str]) -> Iterable[Any]:

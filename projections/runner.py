@@ -49,6 +49,9 @@ BULK_SUFFIX: Final = ".bulk"
 #: Projections whose batches with forgets overwrite content (the ledger's payloads; the
 #: stored history's rows): old copies are reclaimed after such a batch commits.
 ERASING: Final = ("erasure", "history")
+#: A step of a projection that names its event types reads up to `batch_size` of them
+#: within this many times `batch_size` positions (`Runner._step_all`).
+SPARSE_SPAN: Final = 32
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"
@@ -126,7 +129,9 @@ class Runner:
     async def step(self, proj: Projection, upto: int | None = None,
                    size: int | None = None) -> int:
         """Apply one batch of at most `size` positions (default: `batch_size`) to one
-        projection; returns how many positions it moved."""
+        projection, or, for a projection that names its `types` and steps every shard,
+        of at most `size` of its events within `SPARSE_SPAN * size` positions; returns
+        how many positions it moved."""
         self._left.pop(proj.name, None)
         prepare = getattr(proj, "prepare", None)
         if prepare is not None:
@@ -175,7 +180,13 @@ class Runner:
                 if moved is not None:
                     return moved
             sc = t.shard_checkpoints.c
-            facts = await step_facts(self.store, conn, proj.name, position, size,
+            types = getattr(proj, "types", None)
+            # How far this batch may reach: `size` positions, or for a projection that
+            # names its event types, up to `size` of ITS events within `SPARSE_SPAN`
+            # times as many positions (a sparse view, such as tasks, then applies its
+            # events in a few batches instead of one per `size` positions of others').
+            span = size if types is None else size * SPARSE_SPAN
+            facts = await step_facts(self.store, conn, proj.name, position, span,
                                      shards_meta=shards.SHARDS_META,
                                      default_shards=shards.DEFAULT_SHARDS)
             held: set[int] | None = None
@@ -194,10 +205,11 @@ class Runner:
                     select(sc.shard, sc.position).where(sc.projection == proj.name))).all()}
                 count = await shards.shard_count(conn)
             # Positions are gap-free, so a batch is a range of positions; a projection
-            # that names its event types reads only those, and still moves past the rest.
-            hi = min(position + size, end)
-            types = getattr(proj, "types", None)
-            batch = await self.store.read_events(conn, position, size, hi, types=types)
+            # that names its event types reads only those, and still moves past the rest:
+            # to its `size`-th event when the range holds that many, else to its end.
+            reach = min(position + span, end)
+            batch = await self.store.read_events(conn, position, size, reach, types=types)
+            hi = batch[-1].position if types is not None and len(batch) >= size else reach
             if ahead:
                 batch = [se for se in batch if se.position > ahead.get(
                     shards.shard_of(se.tenant, count), position)]

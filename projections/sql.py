@@ -31,6 +31,7 @@ from sqlalchemy import (
     select,
     text,
     tuple_,
+    update,
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
@@ -425,6 +426,53 @@ async def step_facts(store: Store, conn: AsyncConnection, name: str, position: i
             int(count) if count is not None else default_shards,
             set(map(int, held or ())))
 
+
+
+# -- the history view's closes and the as-of reads' prefix ranges (issue 20: moved here
+#    from projections/history.py and projections/asof.py, the branches with the rest) --
+
+async def close_history_rows(conn: AsyncConnection, closed: Sequence[dict[str, Any]]
+                             ) -> None:
+    """Close open `mem_history` rows (by primary key: `k_tenant`, `k_memory_id`,
+    `k_valid_from`) at `k_valid_to`.
+
+    PostgreSQL: one `UPDATE ... FROM unnest(...)` of one array per key column (a
+    statement built once): an executemany costs SQLAlchemy's parameter processing per
+    row and the server one execution per row. Elsewhere an executemany by key."""
+    mh = t.mem_history.c
+    if conn.dialect.name == "postgresql":
+        await conn.execute(prepared("history.close.pg", _close_history_pg), {
+            "tenants": [r["k_tenant"] for r in closed],
+            "ids": [r["k_memory_id"] for r in closed],
+            "froms": [r["k_valid_from"] for r in closed],
+            "tos": [r["k_valid_to"] for r in closed]})
+        return
+    await conn.execute(update(t.mem_history).where(
+        mh.tenant == bindparam("k_tenant"), mh.memory_id == bindparam("k_memory_id"),
+        mh.valid_from == bindparam("k_valid_from")).values(
+        valid_to=bindparam("k_valid_to")), closed)
+
+
+def _close_history_pg() -> Any:
+    """PostgreSQL: UPDATE `mem_history` rows by primary key (`:tenants`, `:ids`,
+    `:froms`, arrays of one row each) setting `valid_to` from `:tos`."""
+    mh = t.mem_history.c
+    keys = func.unnest(bindparam("tenants", type_=ARRAY(String)),
+                       bindparam("ids", type_=ARRAY(String)),
+                       bindparam("froms", type_=ARRAY(BigInteger)),
+                       bindparam("tos", type_=ARRAY(BigInteger))).table_valued(
+        "tenant", "memory_id", "valid_from", "valid_to").render_derived()
+    return update(t.mem_history).where(
+        mh.tenant == keys.c.tenant, mh.memory_id == keys.c.memory_id,
+        mh.valid_from == keys.c.valid_from).values(valid_to=keys.c.valid_to)
+
+
+def prefix_range_of(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
+    """`prefix_range` for a connection: on SQLite (bytewise TEXT) a range an index on
+    `(tenant, ns_path, ...)` serves; nothing elsewhere."""
+    if conn.dialect.name != "sqlite":
+        return []
+    return [col >= prefix, col < prefix[:-1] + "\x20"]
 
 
 # -- the lexical index's full-text engine (`projections.lexical`) ------------------------

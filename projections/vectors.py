@@ -62,7 +62,6 @@ from projections.slots import covered_slots
 from projections.sql import (
     any_of,
     batches,
-    chunks,
     in_list,
     insert_ignore,
     insert_rows,
@@ -329,18 +328,6 @@ def task_text(task_key: str, summary: dict[str, Any]) -> str:
     if system.get("text"):
         parts.append(str(system["text"]))
     return "\n".join(p for p in parts if p)
-
-
-def _by_tenant(pairs: Iterable[tuple[str, str]], n: int = 400
-               ) -> Iterable[tuple[str, Sequence[str]]]:
-    """(tenant, ids) chunks: `tenant = ? AND id IN (...)` uses the primary key on both
-    backends, where SQLite scans the table for a row-value `(tenant, id) IN (...)`."""
-    grouped: dict[str, list[str]] = {}
-    for tenant, item in sorted(set(pairs)):
-        grouped.setdefault(tenant, []).append(item)
-    for tenant, items in grouped.items():
-        for chunk in chunks(items, n):
-            yield tenant, chunk
 
 
 @dataclass
@@ -673,8 +660,14 @@ class VectorProjection:
         gone = prepared(("vectors.delete_memories", conn.dialect.name), lambda: delete(
             t.vectors).where(vc.tenant == bindparam("tenant"),
                              in_list(conn, vc.item_id, "ids"), vc.kind == "memory"))
-        for tenant, chunk in _by_tenant(every):
-            await conn.execute(gone, {"tenant": tenant, "ids": list(chunk)})
+        # Per tenant on SQLite (the primary key); on PostgreSQL one statement over
+        # arrays for every tenant of the batch (`tenant_parts`).
+        for tenant, part in tenant_parts(conn, every):
+            if tenant is not None:
+                await conn.execute(gone, {"tenant": tenant, "ids": part})
+            else:
+                await conn.execute(delete(t.vectors).where(
+                    pairs_of(conn, vc.tenant, vc.item_id, part), vc.kind == "memory"))
         if not wanted:
             return
         await insert_rows(store, conn, t.vectors,
@@ -696,10 +689,11 @@ class VectorProjection:
             for tenant in {a for a, _ in gone}:
                 matrix_snapshot.erase(store.url, tenant,
                                       task_keys=[k for a, k in gone if a == tenant])
-        for tenant, chunk in _by_tenant(tasks):
+        for tenant, part in tenant_parts(conn, {(a, TASK_PREFIX + k) for a, k in tasks}):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, any_of(conn, vc.item_id, [TASK_PREFIX + k for k in chunk]),
-                vc.kind == "task"))
+                vc.tenant == tenant, any_of(conn, vc.item_id, part), vc.kind == "task")
+                if tenant is not None else delete(t.vectors).where(
+                pairs_of(conn, vc.tenant, vc.item_id, part), vc.kind == "task"))
         wanted = await _task_rows(conn, tasks, ())
         if not wanted:
             return
@@ -765,8 +759,10 @@ async def _task_rows(conn: AsyncConnection, tasks: set[tuple[str, str]],
     tv = t.tasks_view.c
     tasks = set(tasks) | await _covered_tasks(conn, tombs)
     wanted: list[Any] = []
-    for tenant, chunk in _by_tenant(tasks):
-        q = _task_rows_query().where(tv.tenant == tenant, any_of(conn, tv.task_key, chunk))
+    for tenant, part in tenant_parts(conn, tasks):
+        q = _task_rows_query().where(
+            and_(tv.tenant == tenant, any_of(conn, tv.task_key, part)) if tenant is not None
+            else pairs_of(conn, tv.tenant, tv.task_key, part))
         wanted.extend((await conn.execute(q)).all())
     return wanted
 
