@@ -23,7 +23,10 @@ Backends:
   forgotten terms leave its segments (with `secure_delete` on, the freed pages are
   zeroed). Ranked by FTS5's BM25 (k1 1.2, b 0.75), the principal's scope filtered by a
   hashed principal term in the match itself and again on the joined row; FTS5's best are
-  taken before the join.
+  taken before the join. By default that ranking is computed in process (`scored_hits`:
+  each term's row ids from FTS5, the rows' sizes cached while the index is unchanged,
+  FTS5's formula in numpy; the same entries, order and scores), since FTS5's `bm25`
+  looks up every match's size.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
   row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
