@@ -23,7 +23,10 @@ Backends:
   forgotten terms leave its segments (with `secure_delete` on, the freed pages are
   zeroed). Ranked by FTS5's BM25 (k1 1.2, b 0.75), the principal's scope filtered by a
   hashed principal term in the match itself and again on the joined row; FTS5's best are
-  taken before the join.
+  taken before the join. By default that ranking is computed in process (`scored_hits`:
+  each term's row ids from FTS5, the rows' sizes cached while the index is unchanged,
+  FTS5's formula in numpy; the same entries, order and scores), since FTS5's `bm25`
+  looks up every match's size.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
   row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
@@ -36,11 +39,15 @@ Query terms in more than `MAX_DF_FRACTION` of the entries are dropped before mat
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import re
 import unicodedata
 from collections.abc import Sequence
 from typing import Any, Final
 
+import numpy as np
+from numpy.typing import NDArray
 from sqlalchemy import and_, bindparam, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -57,6 +64,9 @@ from projections.sql import (
     lexical_hits,
     lexical_insert,
     lexical_merge,
+    lexical_postings,
+    lexical_rows,
+    lexical_sizes,
     lexical_term_shares,
     page_after,
     pairs_of,
@@ -93,6 +103,12 @@ FTS_FACTOR: Final = 2
 UNSCOPED_FROM: Final = 0.5
 #: PostgreSQL: matching rows ranked by `ts_rank` at most (taken in index order).
 PG_MATCH_CAP: Final = 2000
+#: SQLite: the arm is scored in process from the terms' row ids (`scored_hits`: FTS5's
+#: own BM25, the same order) unless this is "0" (then FTS5's `bm25` ranks every match).
+IN_PROCESS_ENV: Final = "MEMLEDGER_LEXICAL_IN_PROCESS"
+#: FTS5's BM25 constants (fts5_aux.c).
+BM25_K1: Final = 1.2
+BM25_B: Final = 0.75
 #: Per-connection TEMP `fts5vocab` view of the index (term document counts).
 VOCAB: Final = "lexical_vocab"
 SEP: Final = "\x1f"
@@ -294,8 +310,86 @@ async def search(conn: AsyncConnection, store: Store, who: Principal, query: str
     ld = t.lexical_docs.c
     scope = [ld.tenant == who.tenant, prefix_match(ld.ns_path, who.prefix),
              *prefix_range(store, ld.ns_path, who.prefix), _layers(task, session)]
+    if os.environ.get(IN_PROCESS_ENV, "1").strip() != "0":
+        fts_k = FTS_FACTOR * k
+        if own and own >= UNSCOPED_FROM:  # as `lexical_hits`: unscoped first
+            got = await scored_hits(store, conn, mine, qt, who, task=task, session=session,
+                                    k=k, page=min(math.ceil(fts_k / own), 4 * fts_k),
+                                    unscoped=True)
+            if got is not None and (len(got[0]) >= k or not got[1]):
+                return got[0]
+        got = await scored_hits(store, conn, mine, qt, who, task=task, session=session,
+                                k=k, page=fts_k, unscoped=False)
+        if got is not None:
+            return got[0]
     rows = await lexical_hits(store, conn, mine, qt, tenant=who.tenant, prefix=who.prefix,
                               task=task, session=session, scope=scope, k=k,
                               fts_k=FTS_FACTOR * k, pg_cap=PG_MATCH_CAP, scope_share=own,
                               unscoped_from=UNSCOPED_FROM)
     return [(item, float(score)) for item, score in rows]
+
+
+def fts5_idf(n_row: int, n_hit: int) -> float:
+    """FTS5's IDF of a phrase in `n_hit` of `n_row` rows (fts5_aux.c: never <= 0)."""
+    idf = math.log((n_row - n_hit + 0.5) / (n_hit + 0.5))
+    return idf if idf > 0.0 else 1e-6
+
+
+def bm25_scores(present: Sequence[NDArray[np.bool_]], idf: Sequence[float],
+                sizes: NDArray[np.float64], avgdl: float) -> NDArray[np.float64]:
+    """FTS5's `bm25` (negated: higher is better) of rows holding each query phrase at
+    most once (`present[i]`: which rows hold phrase i; `sizes`: each row's length in
+    tokens, every column), with the same double arithmetic in the same order as
+    fts5_aux.c, so equal inputs give bit-equal scores (an entry is a *set* of terms:
+    a phrase occurs once in it or not at all)."""
+    k1, b = BM25_K1, BM25_B
+    # (1 - b + b * D / avgdl), as C evaluates it: ((1 - b) + ((b * D) / avgdl)).
+    norm = k1 * ((1 - b) + (b * sizes) / avgdl)
+    score = np.zeros(len(sizes), dtype=np.float64)
+    for mask, w in zip(present, idf, strict=True):
+        freq = mask.astype(np.float64)
+        score = score + w * ((freq * (k1 + 1.0)) / (freq + norm))
+    return score
+
+
+async def scored_hits(store: Store, conn: AsyncConnection, scope: str, qt: Sequence[str],
+                      who: Principal, *, task: str | None, session: str | None, k: int,
+                      page: int, unscoped: bool
+                      ) -> tuple[list[tuple[str, float]], bool] | None:
+    """`lexical_hits`' SQLite ranking computed in process (None where it cannot be:
+    PostgreSQL, an empty index): the row ids holding each term
+    (`projections.sql.lexical_postings`; inside the principal's hashed `scope` term
+    unless `unscoped`), their sizes (cached while the index is unchanged), FTS5's BM25
+    over them (`bm25_scores`), ranked as FTS5 ranks them (score, then row id); the best
+    `page` are joined to their rows and checked for tenant, namespace prefix and layer,
+    and the first `k` of those that pass kept. Returns them and whether the page was
+    cut (more rows matched than `page`): the same as `lexical_hits`' subquery with its
+    LIMIT, without FTS5 computing `bm25` (and looking up each row's size) per match."""
+    post = await lexical_postings(store, conn, qt, scope_term=None if unscoped else scope)
+    if post is None:
+        return None
+    lists = [np.asarray(x, dtype=np.int64) for x in post.docids]
+    every = np.concatenate(lists)
+    if not len(every):
+        return [], False
+    ids, inv = np.unique(every, return_inverse=True)
+    present = []
+    at = 0
+    for x in lists:
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[inv[at:at + len(x)]] = True
+        at += len(x)
+        present.append(mask)
+    sizes = await lexical_sizes(store, conn, ids, post.structure)
+    scores = bm25_scores(present, [fts5_idf(post.n_row, n) for n in post.n_hit], sizes,
+                         post.n_token / post.n_row)
+    order = np.lexsort((ids, -scores))[:page]
+    page_ids = ids[order].tolist()
+    rows = await lexical_rows(store, conn, page_ids, tenant=who.tenant, prefix=who.prefix,
+                              task=task, session=session)
+    found: list[tuple[str, float]] = []
+    for d, s in zip(page_ids, scores[order].tolist(), strict=True):
+        got = rows.get(d)
+        if got is not None and got[1]:
+            found.append((got[0], s))
+    return found[:k], len(ids) >= page

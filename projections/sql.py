@@ -17,6 +17,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
+import numpy as np
+import orjson
+from numpy.typing import NDArray
 from sqlalchemy import (
     ARRAY,
     BigInteger,
@@ -680,3 +683,199 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
     rank = func.ts_rank(func.to_tsvector(cfg, hits.c.terms), tsq)
     pq = select(hits.c.item_id, rank).order_by(rank.desc(), hits.c.item_id).limit(k)
     return [(r[0], r[1]) for r in (await conn.execute(pq)).all()]
+
+
+
+# -- recall's lexical arm scored in process (`projections.lexical.search`) --------------
+#
+# SQLite only. FTS5 computes `bm25` for every match, and about half of that is a look-up
+# of the row's size in `lexical_fts_docsize`; reading a term's matching row ids alone is
+# over ten times cheaper. So the lexical arm reads the row ids matching each query term
+# (one `group_concat` per term, all in one statement), takes the rows' sizes from a
+# cache kept per store while FTS5's structure record is byte for byte the same (never
+# stale: any change to the index empties it, as `_DF_CACHE`), and scores them with
+# FTS5's own formula (`projections.lexical.bm25_scores`).
+
+
+class LexicalPostings:
+    """What `lexical_postings` read in one statement (one snapshot of the index)."""
+
+    __slots__ = ("docids", "n_hit", "n_row", "n_token", "structure")
+
+    def __init__(self, structure: bytes | None, n_row: int, n_token: int,
+                 docids: list[list[int]], n_hit: list[int]) -> None:
+        #: FTS5's structure record: the key of the size cache.
+        self.structure = structure
+        #: FTS5's row count and token total over every column (its "averages" record).
+        self.n_row = n_row
+        self.n_token = n_token
+        #: Per query term, the row ids matching it (inside the scope term when scoped).
+        self.docids = docids
+        #: Per query term, the rows of the whole index holding it (`bm25`'s `nHit`).
+        self.n_hit = n_hit
+
+
+def _varints(block: bytes) -> list[int]:
+    """The SQLite varints packed one after another in `block`."""
+    out: list[int] = []
+    n, used = 0, 0
+    for b in block:
+        if used == 8:  # the ninth byte of a varint holds 8 bits
+            out.append((n << 8) | b)
+            n, used = 0, 0
+            continue
+        n = (n << 7) | (b & 0x7F)
+        used += 1
+        if b < 0x80:
+            out.append(n)
+            n, used = 0, 0
+    return out
+
+
+def _phrase(scope_term: str | None, term: str) -> str:
+    words = f'terms : "{term}"'
+    return words if scope_term is None else f'scope : "{scope_term}" AND {words}'
+
+
+class _Sizes:
+    """Per store, while FTS5's structure record is `structure`: each term's count of
+    rows (`n_hit`) and the row sizes read so far (sorted row ids, sizes)."""
+
+    __slots__ = ("ids", "n_hit", "sizes", "structure")
+
+    def __init__(self, structure: bytes | None) -> None:
+        self.structure = structure
+        self.n_hit: dict[str, int] = {}
+        self.ids: NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self.sizes: NDArray[np.float64] = np.zeros(0, dtype=np.float64)
+
+
+_SIZES: dict[tuple[str, int], _Sizes] = {}
+
+
+def _sizes(store: Store, structure: bytes | None) -> _Sizes:
+    key = (store.url, id(store))
+    got = _SIZES.get(key)
+    if got is None or got.structure != structure:
+        if len(_SIZES) > 64:
+            _SIZES.clear()
+        got = _SIZES[key] = _Sizes(structure)
+    return got
+
+
+async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
+                           scope_term: str | None) -> LexicalPostings | None:
+    """SQLite: FTS5's row count and token total (its "averages" record, what `bm25`
+    reads), its structure record, and per term the matching row ids (inside the
+    principal's hashed `scope_term` when given) and the whole index's count of rows
+    holding it, in one statement (one snapshot). None elsewhere (PostgreSQL ranks with
+    `ts_rank`) and while the index is empty."""
+    if store.dialect != "sqlite" or not terms:
+        return None
+    fts = t.LEXICAL_FTS
+    parts = [f"SELECT -id, block FROM {fts}_data WHERE id IN (1, 10)"]
+    params: list[Any] = []
+    for i, x in enumerate(terms):
+        parts.append(f"SELECT {i}, (SELECT group_concat(rowid) FROM {fts} WHERE {fts} "
+                     "MATCH ?)")
+        params.append(_phrase(scope_term, x))
+    key = (store.url, id(store))
+    known = _SIZES[key].n_hit if key in _SIZES else {}
+    if scope_term is not None:  # the whole index's counts of the terms not known yet
+        for i, x in enumerate(terms):
+            if x not in known:
+                parts.append(f"SELECT {len(terms) + i}, (SELECT count(*) FROM {fts} "
+                             f"WHERE {fts} MATCH ?)")
+                params.append(_phrase(None, x))
+    rows = await read_sql(store, conn, " UNION ALL ".join(parts), params, beside=True)
+    blocks: dict[int, bytes] = {}
+    docids: list[list[int]] = [[] for _ in terms]
+    counts: dict[int, int] = {}
+    for a, b in rows:
+        a = int(a)
+        if a < 0:
+            if b is not None:
+                blocks[-a] = bytes(b)
+        elif a < len(terms):
+            if b is not None:
+                docids[a] = list(map(int, str(b).split(",")))
+        else:
+            counts[a - len(terms)] = int(b)
+    averages = _varints(blocks.get(1, b""))
+    if len(averages) < 2 or averages[0] <= 0:
+        return None
+    sizes = _sizes(store, blocks.get(10))
+    n_hit = []
+    for i, x in enumerate(terms):
+        n = len(docids[i]) if scope_term is None else counts.get(i, sizes.n_hit.get(x))
+        if n is None:  # the index changed since `known`: count it now
+            got = await read_sql(store, conn, f"SELECT count(*) FROM {fts} WHERE {fts} "
+                                 "MATCH ?", [_phrase(None, x)])
+            n = int(got[0][0])
+        n_hit.append(n)
+    if sizes.structure == blocks.get(10):
+        sizes.n_hit.update(zip(terms, n_hit, strict=True))
+    return LexicalPostings(blocks.get(10), averages[0], sum(averages[1:]), docids, n_hit)
+
+
+async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.int64],
+                        structure: bytes | None) -> NDArray[np.float64]:
+    """SQLite: the size in tokens (every column: what `bm25` takes as the row's length)
+    of each of these FTS5 rows (sorted, distinct), from the cache while the index's
+    structure record is still `structure`, else read from `lexical_fts_docsize` (and
+    cached when that statement saw the same structure record)."""
+    sizes = _sizes(store, structure)
+    out = np.zeros(len(docids), dtype=np.float64)
+    ids = sizes.ids
+    j = np.searchsorted(ids, docids)
+    hit = j < len(ids)
+    hit[hit] = ids[j[hit]] == docids[hit]
+    out[hit] = sizes.sizes[j[hit]]
+    if hit.all():
+        return out
+    missing = docids[~hit]
+    fts = t.LEXICAL_FTS
+    rows = await read_sql(
+        store, conn, f"SELECT id, sz FROM {fts}_docsize WHERE id IN (SELECT value FROM "
+        f"json_each(?)) UNION ALL SELECT -1, block FROM {fts}_data WHERE id = 10",
+        [orjson.dumps(missing.tolist()).decode()])
+    seen: bytes | None = None
+    fresh: dict[int, int] = {}
+    for d, sz in rows:
+        if int(d) == -1:
+            seen = bytes(sz) if sz is not None else None
+        else:
+            fresh[int(d)] = sum(_varints(bytes(sz)))
+    out[~hit] = [fresh.get(int(d), 0) for d in missing]
+    if seen == structure and fresh and len(ids) + len(fresh) <= SIZE_CACHE_ROWS:
+        new_ids = np.fromiter(fresh.keys(), dtype=np.int64, count=len(fresh))
+        new_sizes = np.fromiter(fresh.values(), dtype=np.float64, count=len(fresh))
+        all_ids = np.concatenate([ids, new_ids])
+        order = np.argsort(all_ids, kind="stable")
+        sizes.ids = all_ids[order]
+        sizes.sizes = np.concatenate([sizes.sizes, new_sizes])[order]
+    return out
+
+
+#: Row sizes cached per store at most (8 bytes of id and one small int each, in lists).
+SIZE_CACHE_ROWS: Final = 2_000_000
+
+
+async def lexical_rows(store: Store, conn: AsyncConnection, docids: Sequence[int], *,
+                       tenant: str, prefix: str, task: str | None, session: str | None
+                       ) -> dict[int, tuple[str, bool]]:
+    """SQLite: {FTS5 row id: (item id, whether it is in the principal's scope: tenant,
+    namespace prefix, layer)} of these `lexical_docs` entries (the check
+    `lexical_hits` makes on its joined rows)."""
+    layers = ["layer = 'long'"]
+    if task is not None:
+        layers.append("(layer = 'task' AND task_key = ?)")
+    if session is not None:
+        layers.append("(layer = 'session' AND session_id = ?)")
+    rows = await read_sql(
+        store, conn, "SELECT docid, item_id, (tenant = ? AND substr(ns_path, 1, ?) = ? "
+        f"AND ({' OR '.join(layers)})) FROM lexical_docs WHERE docid IN "
+        "(SELECT value FROM json_each(?))",
+        [tenant, len(prefix), prefix, *([task] if task is not None else []),
+         *([session] if session is not None else []), orjson.dumps(list(docids)).decode()])
+    return {int(r[0]): (str(r[1]), bool(r[2])) for r in rows}
