@@ -143,3 +143,21 @@ async def test_in_process_ranking_stays_in_scope(store: Store,
         assert mine == fts5
         ids = {int(m[1:]) % 4 for m, _ in mine}
         assert ids == ({2, 3} if session else {3})
+
+
+async def test_long_entries_sizes_of_several_bytes(store: Store,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries of more than 127 and 16,383 terms (their sizes take two and three bytes
+    in FTS5's records) are scored as FTS5 scores them."""
+    if store.dialect != "sqlite":
+        pytest.skip("FTS5 is SQLite's")
+    long_words = [f"w{i}" for i in range(200)]
+    entries = [(0, "long", "T1", ["refund", *long_words]),
+               (0, "long", "T1", ["refund", *(f"v{i}" for i in range(17_000))]),
+               *((0, "long", "T1", ["refund", "order"]) for _ in range(5))]
+    await index(store, rows_of(entries))
+    for query in ("refund", "refund w3", "w7 order v9"):
+        fts5, mine = await both(store, PRINCIPALS[0], query, 10, task=None, session=None,
+                                monkeypatch=monkeypatch)
+        assert mine == fts5
+        assert mine
