@@ -203,7 +203,7 @@ class _Rounds:
         self.projected = 0
         self.count = 0  # rounds run
         self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self._failed: BaseException | None = None
         self._lock = threading.Lock()  # `failed` is read by callers' threads
 
@@ -247,8 +247,13 @@ class _Rounds:
                 self._failed = exc
             raise
         self.projected = max(self.projected, head)
-        if self.behind():  # appended during the round, with nobody waiting yet
-            self.wrote(self.appended)
+        if self.behind() and self._timer is None:
+            # appended after the round read its head: the next round is due (once
+            # this one is done; a waiter may start it sooner)
+            loop = asyncio.get_running_loop()
+            self._timer = (loop.call_soon(self._due)
+                           if self.appended - self.projected >= ROUND_MAX_PENDING
+                           else loop.call_later(ROUND_DELAY_S, self._due))
 
     async def reach(self, upto: int | None = None) -> None:
         """Return once every view has reached `upto` (default: every append of this

@@ -156,6 +156,40 @@ def test_a_put_returns_before_its_round_and_other_stores_read_it_after(
         writer.close()
 
 
+def test_puts_during_a_round_get_a_round_of_their_own(db_url: str) -> None:
+    """A put appended after a running round read its head, with nobody waiting for
+    anything afterwards, is still projected in the background: another store reads it."""
+    writer = MemledgerStore(url=db_url)
+    other = MemledgerStore(url=db_url)
+    try:
+        writer.setup()
+        other.setup()
+        runner = writer._ml.runner
+        real = runner.round
+        gate = threading.Event()
+        rounds: list[int] = []
+
+        async def then_held(upto: int | None = None) -> int:
+            got = await real(upto)  # the head is read in here
+            rounds.append(got)
+            if len(rounds) == 1:
+                await asyncio.to_thread(gate.wait)
+            return got
+
+        runner.round = then_held  # type: ignore[method-assign]
+        writer.put(("u7", "prefs"), "first", {"v": 1})
+        _eventually(lambda: len(rounds) == 1, "the first round")
+        writer.put(("u7", "prefs"), "during", {"v": 2})  # after the round's head
+        assert writer._rounds.appended > rounds[0]
+        gate.set()
+        _eventually(lambda: other.get(("u7", "prefs"), "during") is not None,
+                    "a round for the put made during the first")
+        assert other.get(("u7", "prefs"), "first") is not None
+    finally:
+        other.close()
+        writer.close()
+
+
 def test_a_delete_returns_only_after_its_round(db_url: str) -> None:
     """A delete is a forget when it returns: with the rounds held it does not return;
     once they run, every view (the erasure included) has applied it (R20)."""
