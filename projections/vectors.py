@@ -689,10 +689,10 @@ class VectorProjection:
             for tenant in {a for a, _ in gone}:
                 matrix_snapshot.erase(store.url, tenant,
                                       task_keys=[k for a, k in gone if a == tenant])
-        for tenant, part in tenant_parts(conn, {(a, TASK_PREFIX + k) for a, k in tasks}):
+        for owner, part in tenant_parts(conn, {(a, TASK_PREFIX + k) for a, k in tasks}):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == tenant, any_of(conn, vc.item_id, part), vc.kind == "task")
-                if tenant is not None else delete(t.vectors).where(
+                vc.tenant == owner, any_of(conn, vc.item_id, part), vc.kind == "task")
+                if owner is not None else delete(t.vectors).where(
                 pairs_of(conn, vc.tenant, vc.item_id, part), vc.kind == "task"))
         wanted = await _task_rows(conn, tasks, ())
         if not wanted:
