@@ -15,6 +15,8 @@ packages (`ledger`, `projections`, `workers`, `replay`) may change between relea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ledger.errors import (
     AccessDenied,
     BackupError,
@@ -33,9 +35,20 @@ from ledger.records import AppendResult
 from memledger import events
 from memledger._ledger import EmbedderSetting, MemoryLedger, Principal, Source
 from memledger.results import Memory, MemoryVersion, Recall, RecalledTask, RecallItem, TaskSummary
-from workers.publish import PublishResult
+
+if TYPE_CHECKING:
+    from workers.publish import PublishResult
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """`memledger.PublishResult` on first use (PEP 562): its module loads the broker's
+    client, which a process that never publishes does not need at start-up."""
+    if name == "PublishResult":
+        from workers.publish import PublishResult
+        return PublishResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AccessDenied",

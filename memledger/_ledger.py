@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import orjson
 
@@ -30,7 +30,11 @@ from projections.recall import recall as run_recall
 from projections.runner import Runner
 from projections.vectors import store_embedder
 from replay import config
-from workers.publish import Publisher, PublishResult
+
+if TYPE_CHECKING:
+    # Imported when the first publish needs it: the broker's client (redis, dramatiq)
+    # is about a sixth of a CLI process's start-up, and most processes never publish.
+    from workers.publish import Publisher, PublishResult
 
 EventLike = Event | Mapping[str, Any]
 
@@ -167,6 +171,7 @@ class MemoryLedger:
             raise ValidationError("broker", "this ledger was opened without a broker URL; "
                                   "pass broker='redis://...' to MemoryLedger to publish")
         if self._publisher is None:
+            from workers.publish import Publisher
             self._publisher = Publisher(self._broker_url)
         return await self._publisher.apublish([as_event(e) for e in events])
 

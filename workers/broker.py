@@ -25,13 +25,15 @@ from dramatiq.common import dq_name
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from workers.names import DEFAULT_THREADS as DEFAULT_THREADS
+from workers.names import INGEST_QUEUE as INGEST_QUEUE
+from workers.names import PROJECT_QUEUE as PROJECT_QUEUE
+from workers.names import QUEUES as QUEUES
+
 DEFAULT_REDIS_URL: Final = "redis://127.0.0.1:6379/0"
 #: Prefix of every Redis key memledger's broker uses (dramatiq's own default is "dramatiq").
 NAMESPACE: Final = "memledger"
 
-INGEST_QUEUE: Final = "ingest"
-PROJECT_QUEUE: Final = "project"
-QUEUES: Final = (INGEST_QUEUE, PROJECT_QUEUE)
 INGEST_ACTOR: Final = "memledger_ingest"
 WAKE_ACTOR: Final = "memledger_wake"
 
@@ -50,10 +52,6 @@ DEAD_MESSAGE_TTL_MS: Final = 3_600_000
 #: How long an idle consumer waits between polls (dramatiq's default is 1 s; the lag
 #: of the first message after a quiet spell is bounded by it).
 WORKER_TIMEOUT_MS: Final = 100
-#: Worker threads per process. An ingest message holds its thread until its events
-#: are committed, so threads x events per message bounds what a process has in flight:
-#: with 16, messages of a few events each could not be ingested at 2,000/s.
-DEFAULT_THREADS: Final = 64
 #: A process that only projects needs few: its messages are wake-ups.
 PROJECT_THREADS: Final = 8
 #: Daemon status records expire when a daemon stops refreshing them.

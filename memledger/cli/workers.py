@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from memledger.cli.common import REDIS_HELP, Audience, open_store, out, say
-from workers.broker import DEFAULT_THREADS, QUEUES
+from workers.names import DEFAULT_THREADS, QUEUES
 
 TITLE = "worker commands (the daemons that ingest published events and project)"
 
