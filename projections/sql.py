@@ -668,7 +668,7 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
             rows = await read_sql(store, conn, sql, [*head, match, fk], beside=True)
             return [(r[0], r[1]) for r in rows if r[2]][:k], len(rows) >= fk
 
-        if scope_share is not None and scope_share >= unscoped_from:
+        if scope_share and scope_share >= unscoped_from:
             fk = min(math.ceil(fts_k / scope_share), 4 * fts_k)
             found, cut = await best(words, fk)
             if len(found) >= k or not cut:
