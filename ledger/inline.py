@@ -27,7 +27,11 @@ keep the async path (`InlineWrites.of` returns None for them).
 Who turns it on (`Store.use_inline`): the SDK's `MemoryLedger` (unless
 `inline_writes=False`; so the CLI's principal-scoped commands and `memledger serve`
 too) and the LangGraph store. The worker daemons and the CLI's other commands use a
-plain `Store` and keep the async path.
+plain `Store` and keep the async path for their other transactions; a `Store`'s group
+commits (its appends) run here on every SQLite file unless it was made with
+`inline_appends=False`, and there the recorder's append statements (the pair
+look-ups, the last link, the tombstones, the inserts) go straight to this thread's
+`sqlite3` connection (`ledger.backends.sqlite.SQLiteRecorder._driver`).
 
 WAL checkpoints do not run on the thread: SQLite's automatic checkpoint (at a commit,
 about every 1,000 pages) would hold up every transaction queued behind that commit

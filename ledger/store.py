@@ -4,7 +4,10 @@
 engine, its transactions and every statement that writes `events`) and the append
 path's queue: appends from many tasks are queued and written by one writer task in
 shared transactions (group commit, `ledger.appender`), each request still atomic on
-its own. The hash chain is `ledger.chain`; the values it returns are `ledger.records`.
+its own. On a SQLite file a group commit runs on a thread of its own over a plain
+`sqlite3` connection (`ledger.inline`, `inline_appends`), where the recorder's
+append statements go to that connection directly (`SQLiteRecorder._driver`).
+The hash chain is `ledger.chain`; the values it returns are `ledger.records`.
 """
 
 from __future__ import annotations
