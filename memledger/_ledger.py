@@ -70,8 +70,9 @@ class MemoryLedger:
         each run in one hand-off to a thread of their own (`ledger.inline`,
         `Store.use_inline`) instead of four thread hand-offs per statement through
         the async driver; docs/sdk.md, "Write transactions". No effect on PostgreSQL
-        or an in-memory database."""
-        self.store = Store(url, register_path=register_path)
+        or an in-memory database. `inline_writes=False` keeps every write, appends
+        included, on the async driver."""
+        self.store = Store(url, register_path=register_path, inline_appends=inline_writes)
         if inline_writes:
             self.store.use_inline()
         self._migrate = migrate
