@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Final, NoReturn, Protocol
+from typing import Any, ClassVar, Final, NamedTuple, NoReturn, Protocol
 
 from sqlalchemy import (
     ColumnElement,
@@ -57,6 +57,34 @@ STORED_COLUMNS: Final = (
 EVENT_COLUMNS: Final = tuple(c.name for c in t.events.c)
 #: An `events` row dict as a tuple in `EVENT_COLUMNS` order (one C call per row).
 EVENT_TUPLE: Final = operator.itemgetter(*EVENT_COLUMNS)
+#: The last event's position and link, as one driver statement (a backend's own
+#: `last_link` on its driver's connection; the same SQL on both).
+LAST_LINK_SQL: Final = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
+
+
+class TombstoneRow(NamedTuple):
+    """A `tombstones` row read on a driver's own connection (what
+    `ledger.forgets.tombstone_from_row` reads of SQLAlchemy's rows); its fields are
+    the table's columns in order (`TOMBSTONE_COLUMNS`)."""
+
+    position: int
+    tenant: str
+    kind: str
+    memory_id: str | None
+    ns_path: str | None
+    mkey: str | None
+    task_key: str | None
+    order_key: bytes
+
+
+TOMBSTONE_COLUMNS: Final = tuple(c.name for c in t.tombstones.c)
+assert TombstoneRow._fields == TOMBSTONE_COLUMNS, "TombstoneRow must follow ledger.schema"
+
+
+def link_of(row: Any) -> tuple[int, str]:
+    """`last_link`'s answer from its row: (position, chain), `(0, GENESIS)` when the
+    ledger is empty (no row)."""
+    return (int(row[0]), str(row[1])) if row else (0, GENESIS)
 #: What SQLite says of a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB).
 CORRUPTION_MESSAGES: Final = ("database disk image is malformed", "file is not a database")
 
@@ -333,10 +361,9 @@ class Recorder(ABC):
 
     async def last_link(self, conn: AsyncConnection) -> tuple[int, str]:
         """The last event's position and chain link (`(0, GENESIS)` when empty)."""
-        last = (await conn.execute(
+        return link_of((await conn.execute(
             select(t.events.c.position, t.events.c.chain)
-            .order_by(t.events.c.position.desc()).limit(1))).first()
-        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
+            .order_by(t.events.c.position.desc()).limit(1))).first())
 
     @staticmethod
     async def erase_payloads(conn: AsyncConnection, *where: ColumnElement[bool]) -> int:

@@ -84,7 +84,6 @@ _FORGET_KINDS: Final = frozenset(
     {"explicit_user_request", "user_statement", "operator", "system_of_record"}
 )
 _PURGE_KINDS: Final = frozenset({"operator", "system_of_record"})
-_WRITES: Final = MEMORY_WRITES
 
 
 def _fail(field: str, rule: str) -> ValidationError:
@@ -413,7 +412,7 @@ def _parse_checked(obj: dict[str, Any]) -> Event:
     _check_keys(data_obj, _DATA_KEYS[etype], "data")
     data = _PARSERS[etype](dict(data_obj), tenant, actor, source, key)
     ev = Event(etype, key, tenant, actor, source, data, expected)
-    if etype in _WRITES and data_obj.get("memory_id") is None:
+    if etype in MEMORY_WRITES and data_obj.get("memory_id") is None:
         # derived here: the appender need not hash it again to know (`derived_id`)
         ev._memo["derived"] = data["memory_id"]
     return ev

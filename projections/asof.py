@@ -249,7 +249,7 @@ async def memory_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     ev = t.events.c
     where = (ev.tenant == who.tenant, ev.type.in_(sorted(MEMORY_WRITES)),
              ev.position <= instant.position, prefix_match(ev.ns_path, who.prefix),
-             *_prefix_range(conn, ev.ns_path, who.prefix), *conds)
+             *prefix_range_of(conn, ev.ns_path, who.prefix), *conds)
     q = select(*[ev[c] for c in WRITE_COLUMNS[:-1]], ev.payload.is_(None)).where(*where)
     rows = (await conn.execute(q)).all()
     if not rows:
@@ -299,7 +299,7 @@ async def stored_rows(conn: AsyncConnection, who: reads.Principal, instant: Inst
     p = instant.position
     q = select(*_STORED_COLUMNS).where(
         mh.tenant == who.tenant, mh.status == "active",
-        prefix_match(mh.ns_path, who.prefix), *_prefix_range(conn, mh.ns_path, who.prefix),
+        prefix_match(mh.ns_path, who.prefix), *prefix_range_of(conn, mh.ns_path, who.prefix),
         mh.valid_from <= p, or_(mh.valid_to.is_(None), mh.valid_to > p), *conds)
     rows = [SimpleNamespace(**r._mapping) for r in (await conn.execute(q)).all()]
     # Forgets recorded after the history's checkpoint: not applied to its rows yet.
@@ -349,11 +349,6 @@ def stored_now(store: Store, who: reads.Principal, instant: Instant
             row.__dict__.update(dict.fromkeys(CONTENT), redacted=True, model=None, vector=None)
         rows.append(row)
     return rows
-
-
-def _prefix_range(conn: AsyncConnection, col: Any, prefix: str) -> list[Any]:
-    """`projections.sql.prefix_range_of` (the backend's branch lives there)."""
-    return prefix_range_of(conn, col, prefix)
 
 
 def _live(r: SimpleNamespace, now_us: int) -> bool:

@@ -25,6 +25,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     String,
+    and_,
     any_,
     bindparam,
     cast,
@@ -138,6 +139,15 @@ def tenant_parts(conn: AsyncConnection, pairs: Iterable[tuple[str, Any]], n: int
         alone = one_tenant(part)
         out.append((alone[0], list(alone[1])) if alone is not None else (None, list(part)))
     return out
+
+
+def tenant_part_where(conn: AsyncConnection, tenant_col: Any, id_col: Any,
+                      tenant: str | None, part: Sequence[Any]) -> Any:
+    """SQL matching one part of `tenant_parts`: `tenant_col = tenant AND id_col` among
+    its ids (`any_of`), or, for a part of pairs (`tenant` None), `pairs_of`."""
+    if tenant is None:
+        return pairs_of(conn, tenant_col, id_col, part)
+    return and_(tenant_col == tenant, any_of(conn, id_col, part))
 
 
 def pairs_of(conn: AsyncConnection, a: Any, b: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:

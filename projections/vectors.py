@@ -60,7 +60,6 @@ from projections.protocol import finished, progressed
 from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
 from projections.sql import (
-    any_of,
     batches,
     in_list,
     insert_ignore,
@@ -68,6 +67,7 @@ from projections.sql import (
     page_after,
     pairs_of,
     prepared,
+    tenant_part_where,
     tenant_parts,
 )
 
@@ -691,9 +691,8 @@ class VectorProjection:
                                       task_keys=[k for a, k in gone if a == tenant])
         for owner, part in tenant_parts(conn, {(a, TASK_PREFIX + k) for a, k in tasks}):
             await conn.execute(delete(t.vectors).where(
-                vc.tenant == owner, any_of(conn, vc.item_id, part), vc.kind == "task")
-                if owner is not None else delete(t.vectors).where(
-                pairs_of(conn, vc.tenant, vc.item_id, part), vc.kind == "task"))
+                tenant_part_where(conn, vc.tenant, vc.item_id, owner, part),
+                vc.kind == "task"))
         wanted = await _task_rows(conn, tasks, ())
         if not wanted:
             return
@@ -761,8 +760,7 @@ async def _task_rows(conn: AsyncConnection, tasks: set[tuple[str, str]],
     wanted: list[Any] = []
     for tenant, part in tenant_parts(conn, tasks):
         q = _task_rows_query().where(
-            and_(tv.tenant == tenant, any_of(conn, tv.task_key, part)) if tenant is not None
-            else pairs_of(conn, tv.tenant, tv.task_key, part))
+            tenant_part_where(conn, tv.tenant, tv.task_key, tenant, part))
         wanted.extend((await conn.execute(q)).all())
     return wanted
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, NamedTuple, cast
+from typing import Any, ClassVar, Final, cast
 
 import asyncpg
 import structlog
@@ -34,15 +34,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.sql.dml import Insert
 
 from ledger import schema as t
-from ledger.chain import GENESIS
 from ledger.errors import StoreUnavailable
 from ledger.events import MEMORY_WRITES
 from ledger.recorder import (
     EVENT_COLUMNS,
     EVENT_TUPLE,
+    LAST_LINK_SQL,
+    TOMBSTONE_COLUMNS,
     IntegrityReport,
     Recorder,
+    TombstoneRow,
     WriteLock,
+    link_of,
     raise_translated,
     short_error,
 )
@@ -116,30 +119,14 @@ _TASK_OWNERS: Final = (
 _LOCK_EVENTS: Final = text(
     "DO $$ BEGIN PERFORM set_config('lock_timeout', '" + LOCK_TIMEOUT + "', true); "
     "LOCK TABLE events IN EXCLUSIVE MODE; END $$")
-_LAST_LINK: Final = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
-_TOMBSTONE_COLUMNS: Final = ("position", "tenant", "kind", "memory_id", "ns_path", "mkey",
-                             "task_key", "order_key")
 #: `select_tombstones` by (tenants given, upto given).
 _SELECT_TOMBSTONES: Final = {
-    (tenants, upto): f"SELECT {', '.join(_TOMBSTONE_COLUMNS)} FROM tombstones"
+    (tenants, upto): f"SELECT {', '.join(TOMBSTONE_COLUMNS)} FROM tombstones"
     + (" WHERE " if tenants or upto else "")
     + " AND ".join((["tenant = ANY($1::text[])"] if tenants else [])
                    + ([f"position <= ${2 if tenants else 1}"] if upto else []))
     for tenants in (False, True) for upto in (False, True)}
 
-
-class TombstoneRow(NamedTuple):
-    """A `tombstones` row read on the driver's connection (what
-    `ledger.forgets.tombstone_from_row` reads of SQLAlchemy's rows)."""
-
-    position: int
-    tenant: str
-    kind: str
-    memory_id: str | None
-    ns_path: str | None
-    mkey: str | None
-    task_key: str | None
-    order_key: bytes
 
 
 _BTREE_INDEXES: Final = text(
@@ -480,9 +467,9 @@ class PostgresRecorder(Recorder):
         driver = await _driver_of(conn)
         if not driver.is_in_transaction():
             return await super().last_link(conn)
-        async with _driver_errors(conn, _LAST_LINK):
-            last = await driver.fetchrow(_LAST_LINK)
-        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
+        async with _driver_errors(conn, LAST_LINK_SQL):
+            last = await driver.fetchrow(LAST_LINK_SQL)
+        return link_of(last)
 
     async def select_tombstones(self, conn: AsyncConnection,
                                 tenants: Iterable[str] | None = None,

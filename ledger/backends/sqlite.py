@@ -44,7 +44,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import Any, ClassVar, Final
 
 import orjson
 from sqlalchemy import Table
@@ -56,14 +56,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Insert
 
-from ledger.chain import GENESIS
 from ledger.events import MEMORY_WRITES
 from ledger.recorder import (
     EVENT_COLUMNS,
     EVENT_TUPLE,
+    LAST_LINK_SQL,
+    TOMBSTONE_COLUMNS,
     IntegrityReport,
     Recorder,
+    TombstoneRow,
     WriteLock,
+    link_of,
     raise_translated,
 )
 from ledger.schema import LEXICAL_VOCAB_DDL
@@ -99,32 +102,16 @@ _MEMORY_WRITERS: Final = (
     + " WHERE e.type IN (" + ", ".join(f"'{t}'" for t in sorted(MEMORY_WRITES)) + ")")
 _TASK_OWNERS: Final = ("SELECT e.tenant, e.task_key, e.ns_path "
                        + _PAIRS_JOIN.format(table="task_owners", column="task_key"))
-_LAST_LINK: Final = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
-_TOMBSTONE_COLUMNS: Final = ("position", "tenant", "kind", "memory_id", "ns_path", "mkey",
-                             "task_key", "order_key")
-_INSERT_TOMBSTONES: Final = (f"INSERT INTO tombstones ({', '.join(_TOMBSTONE_COLUMNS)}) "
-                             f"VALUES ({', '.join('?' for _ in _TOMBSTONE_COLUMNS)})")
-_TOMBSTONE_TUPLE: Final = operator.itemgetter(*_TOMBSTONE_COLUMNS)
+_INSERT_TOMBSTONES: Final = (f"INSERT INTO tombstones ({', '.join(TOMBSTONE_COLUMNS)}) "
+                             f"VALUES ({', '.join('?' for _ in TOMBSTONE_COLUMNS)})")
+_TOMBSTONE_TUPLE: Final = operator.itemgetter(*TOMBSTONE_COLUMNS)
 #: `select_tombstones` by (tenants given, upto given).
 _SELECT_TOMBSTONES: Final = {
-    (tenants, upto): f"SELECT {', '.join(_TOMBSTONE_COLUMNS)} FROM tombstones"
+    (tenants, upto): f"SELECT {', '.join(TOMBSTONE_COLUMNS)} FROM tombstones"
     + " AND ".join(([" WHERE tenant IN (SELECT value FROM json_each(?))"] if tenants else [])
                    + ([("" if tenants else " WHERE ") + "position <= ?"] if upto else []))
     for tenants in (False, True) for upto in (False, True)}
 
-
-class TombstoneRow(NamedTuple):
-    """A `tombstones` row read on the inline thread's connection (what
-    `ledger.forgets.tombstone_from_row` reads of SQLAlchemy's rows)."""
-
-    position: int
-    tenant: str
-    kind: str
-    memory_id: str | None
-    ns_path: str | None
-    mkey: str | None
-    task_key: str | None
-    order_key: bytes
 
 
 class SQLiteRecorder(Recorder):
@@ -218,9 +205,9 @@ class SQLiteRecorder(Recorder):
         db = self._driver(conn)
         if db is None:
             return await super().last_link(conn)
-        with _driver_errors(_LAST_LINK):
-            last = db.execute(_LAST_LINK).fetchone()
-        return (int(last[0]), str(last[1])) if last else (0, GENESIS)
+        with _driver_errors(LAST_LINK_SQL):
+            last = db.execute(LAST_LINK_SQL).fetchone()
+        return link_of(last)
 
     def create_engine(self, pool_size: int) -> AsyncEngine:
         engine = create_async_engine(self.url, poolclass=NullPool
