@@ -57,6 +57,7 @@ from ledger.validation import MAX_ID_CHARS, MAX_NS_PART_CHARS, MAX_TEXT_CHARS
 from memledger._ledger import MemoryLedger
 from memledger.results import MemoryVersion
 from projections import reads, store_reads
+from projections.runner import Runner
 
 T = TypeVar("T")
 
@@ -166,6 +167,15 @@ def _ranked(q: np.ndarray[Any, Any], vecs: Sequence[np.ndarray[Any, Any]], offse
     return page
 
 
+#: The views a store's rounds keep: its items (`memories`, which get, search,
+#: list_namespaces and history read) and the erasure of a delete's content from the
+#: ledger's payloads. memledger's other views (tasks, recall's vectors and lexical
+#: index, the stored history of as-of reads) serve readers a LangGraph store does not
+#: have; they are kept by whoever keeps them (`memledger worker`, `memledger project`,
+#: a `MemoryLedger` on the same ledger), and by the store too once any process has
+#: (`_Rounds.choose`; docs/langgraph.md, "Writes").
+STORE_VIEWS = frozenset({"memories", "erasure"})
+
 #: How long a put's projection round waits for the puts that follow it, to share it:
 #: while only writes arrive, the views trail this store's appends by at most this plus
 #: a round. A read through the store, a delete, `close()` and the TTL sweep start the
@@ -197,6 +207,8 @@ class _Rounds:
 
     def __init__(self, ml: MemoryLedger) -> None:
         self.ml = ml
+        #: the runner of the views this store keeps (`choose`); every view until then
+        self.runner: Runner = ml.runner
         #: the highest position this store has appended (committed)
         self.appended = 0
         #: the position every view has reached through this store's rounds
@@ -241,12 +253,14 @@ class _Rounds:
         self.count += 1
         try:
             # the head is read inside the round's one view transaction (`Runner.round`)
-            head = await self.ml.runner.round()
+            runner = self.runner
+            head = await runner.round()
         except Exception as exc:
             with self._lock:
                 self._failed = exc
             raise
-        self.projected = max(self.projected, head)
+        if runner is self.runner:  # else `choose` added views this round did not run
+            self.projected = max(self.projected, head)
         if self.behind() and self._timer is None:
             # appended after the round read its head: the next round is due (once
             # this one is done; a waiter may start it sooner)
@@ -254,6 +268,30 @@ class _Rounds:
             self._timer = (loop.call_soon(self._due)
                            if self.appended - self.projected >= ROUND_MAX_PENDING
                            else loop.call_later(ROUND_DELAY_S, self._due))
+
+    async def choose(self) -> None:
+        """Keep the views the store reads (`STORE_VIEWS`) and every other view that
+        some process keeps (its position past 0), with the views each reads: a delete
+        then erases its copies in all of them before it returns. Run at open and
+        before each round a delete or the TTL sweep waits for. A view this adds is
+        behind, so the next `reach` runs a round for it."""
+        full = self.ml.runner
+        at = await full.positions()
+        kept = set(STORE_VIEWS) | {name for name, position in at.items() if position > 0}
+        for proj in reversed(full.projections):  # each after the views it reads
+            if proj.name in kept:
+                kept.update(proj.depends_on)
+        before = {p.name for p in self.runner.projections}
+        if kept == before:
+            return
+        if kept >= {p.name for p in full.projections}:
+            self.runner = full
+        else:
+            self.runner = Runner(full.store, [p for p in full.projections if p.name in kept],
+                                 full.batch_size)
+        added = kept - before
+        if added:
+            self.projected = min([self.projected, *(at.get(name, 0) for name in added)])
 
     async def reach(self, upto: int | None = None) -> None:
         """Return once every view has reached `upto` (default: every append of this
@@ -409,6 +447,7 @@ class MemledgerStore(BaseStore):
     async def _open(self) -> None:
         if not self._opened:
             await self._ml.open()
+            await self._rounds.choose()
             self._opened = True
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -918,6 +957,7 @@ class MemledgerStore(BaseStore):
         upto = max(r.position for r in got)
         self._rounds.wrote(upto)
         if wait:
+            await self._rounds.choose()  # a view some process began to keep since
             await self._rounds.reach(upto)
 
     # -- TTL ---------------------------------------------------------------------------

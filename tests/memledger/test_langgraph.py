@@ -16,7 +16,13 @@ import pytest
 
 pytest.importorskip("langgraph.store.base")
 
-from memledger.langgraph import MemledgerStore, decode_label, encode_key, encode_label
+from memledger.langgraph import (
+    STORE_VIEWS,
+    MemledgerStore,
+    decode_label,
+    encode_key,
+    encode_label,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +56,56 @@ def test_delete_is_a_forget(tmp_path: Path) -> None:
         assert store.get(("u7", "prefs"), "other") is not None
     finally:
         store.close()
+    # the views the store does not keep (recall's, as-of's), projected afterwards by
+    # another process, never take the forgotten value in
+    asyncio.run(_project_every_view(url))
     for f in tmp_path.rglob("*"):
         if f.is_file():
             assert marker.encode() not in f.read_bytes(), f"value left in {f.name}"
+
+
+async def _project_every_view(url: str) -> dict[str, int]:
+    from memledger import MemoryLedger
+
+    async with MemoryLedger(url) as ml:
+        await ml.project()
+        return await ml.runner.positions()
+
+
+def test_a_store_keeps_its_views_and_every_view_another_process_keeps(
+        db_url: str) -> None:
+    """A store's rounds keep the views it reads (`STORE_VIEWS`); once another process
+    keeps the others (`memledger project`, a worker), its rounds keep them too, and a
+    delete returns only once every one of them has applied it (R20)."""
+    from memledger import MemoryLedger
+
+    store = MemledgerStore(url=db_url)
+    try:
+        store.setup()
+        assert {p.name for p in store._rounds.runner.projections} == STORE_VIEWS
+        store.put(("u7", "prefs"), "color", {"fav": "teal"})
+        store.flush()
+        at = asyncio.run(_project_every_view(db_url))  # another process keeps them all
+        assert min(at.values()) > 0
+        store.put(("u7", "prefs"), "size", {"fav": "xl"})
+        store.delete(("u7", "prefs"), "color")
+
+        async def positions() -> tuple[int, dict[str, int]]:
+            async with MemoryLedger(db_url) as ml:
+                return await ml.store.head(), await ml.runner.positions()
+
+        head, at = asyncio.run(positions())
+        assert set(at.values()) == {head}, at  # every view, not only the store's
+        assert store._rounds.runner.projections == store._ml.runner.projections
+    finally:
+        store.close()
+    again = MemledgerStore(url=db_url)  # a store opened on such a ledger keeps them all
+    try:
+        again.setup()
+        assert {p.name for p in again._rounds.runner.projections} > STORE_VIEWS
+        assert again.get(("u7", "prefs"), "color") is None
+    finally:
+        again.close()
 
 
 def test_principal_scope_sees_only_its_user(db_url: str) -> None:

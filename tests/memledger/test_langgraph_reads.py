@@ -128,17 +128,17 @@ def test_delete_by_another_process_is_unreadable_at_once(sqlite_url: str) -> Non
 
 
 def test_put_and_delete_return_once_every_view_has_them(sqlite_url: str) -> None:
-    """A put is readable when it returns, and a delete returns only once every view,
-    the erasure included, has applied it (R16, R20): nothing is left to a background."""
+    """A put is readable when it returns, and a delete returns only once every view the
+    store keeps, the erasure included, has applied it (R16, R20): nothing is left to a
+    background."""
     store = MemledgerStore(url=sqlite_url)
     try:
         for i in range(3):
             store.put(("u7", "prefs"), f"k{i}", {"i": i})
             assert store.get(("u7", "prefs"), f"k{i}") is not None
         store.delete(("u7", "prefs"), "k0")
-        ml = store._ml
-        head = store._call(ml.store.head())
-        assert set(store._call(ml.runner.positions()).values()) == {head}
+        head = store._call(store._ml.store.head())
+        assert set(store._call(store._rounds.runner.positions()).values()) == {head}
     finally:
         store.close()
 

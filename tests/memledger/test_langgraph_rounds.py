@@ -27,7 +27,7 @@ pytest.importorskip("langgraph.store.base")
 from langgraph.store.base import PutOp
 
 from memledger import MemoryLedger
-from memledger.langgraph import MemledgerStore
+from memledger.langgraph import STORE_VIEWS, MemledgerStore
 
 
 def _eventually(cond: Callable[[], bool], what: str, limit_s: float = 120.0) -> None:
@@ -43,7 +43,7 @@ def _eventually(cond: Callable[[], bool], what: str, limit_s: float = 120.0) -> 
 def _held(store: MemledgerStore) -> threading.Event:
     """Hold the store's projection rounds until the returned event is set."""
     gate = threading.Event()
-    runner = store._ml.runner
+    runner = store._rounds.runner
     real = runner.round
 
     async def held(upto: int | None = None) -> int:
@@ -164,7 +164,7 @@ def test_puts_during_a_round_get_a_round_of_their_own(db_url: str) -> None:
     try:
         writer.setup()
         other.setup()
-        runner = writer._ml.runner
+        runner = writer._rounds.runner
         real = runner.round
         gate = threading.Event()
         rounds: list[int] = []
@@ -212,9 +212,8 @@ def test_a_delete_returns_only_after_its_round(db_url: str) -> None:
         gate.set()
         t.join(timeout=120)
         assert done.is_set()
-        ml = store._ml
-        head = store._call(ml.store.head())
-        assert set(store._call(ml.runner.positions()).values()) == {head}
+        head = store._call(store._ml.store.head())
+        assert set(store._call(store._rounds.runner.positions()).values()) == {head}
     finally:
         store.close()
 
@@ -222,7 +221,7 @@ def test_a_delete_returns_only_after_its_round(db_url: str) -> None:
 def _failing_once(store: MemledgerStore) -> list[int]:
     """The store's next round raises `RuntimeError("round failed")`; later ones run.
     Returns the list of round calls made."""
-    runner = store._ml.runner
+    runner = store._rounds.runner
     real = runner.round
     calls: list[int] = []
 
@@ -274,9 +273,9 @@ def test_a_round_error_reaches_its_waiter_once(db_url: str) -> None:
 
 def test_close_waits_for_the_pending_round_and_raises_an_unseen_error(
         db_url: str) -> None:
-    """`close()` runs the round the last puts left and leaves every view at the head;
-    a round error no caller was given is raised by `close()`, after it has released the
-    ledger."""
+    """`close()` runs the round the last puts left and leaves every view it keeps at the
+    head; a round error no caller was given is raised by `close()`, after it has
+    released the ledger."""
     store = MemledgerStore(url=db_url)
     store.setup()
     gate = _held(store)
@@ -292,7 +291,8 @@ def test_close_waits_for_the_pending_round_and_raises_an_unseen_error(
 
     async def positions() -> tuple[int, set[int]]:
         async with MemoryLedger(db_url) as ml:
-            return await ml.store.head(), set((await ml.runner.positions()).values())
+            at = await ml.runner.positions()
+            return await ml.store.head(), {at[name] for name in STORE_VIEWS}
 
     head, at = asyncio.run(positions())
     assert at == {head}
