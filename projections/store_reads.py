@@ -10,7 +10,7 @@ principal's namespace prefix, in the SQL itself (R15, R20, R24).
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -18,10 +18,9 @@ from sqlalchemy import bindparam, case, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.forgets import covers_sql
 from ledger.store import Store
-from ledger.vault import DIALECT_ATTR, MAGIC
-from projections.reads import not_expired, not_forgotten
+from projections.reads import not_expired, not_forgotten, unforgotten
+from projections.reads import value_opener as value_opener  # re-exported: the store's opener
 from projections.sql import PointQuery, point_rows, prefix_match
 
 _first = t.mem_versions.alias("first_version")
@@ -52,9 +51,7 @@ def _created_key() -> Any:
     # chose `ix_mem_status` (tenant) over `ix_mem_slot` and read every version of the
     # tenant for each row (1-5 ms per LangGraph get on 5,000 items instead of ~25 us).
     return _first_of_slot(mv.version, mv.order_key, select(f.order_key).where(
-        f.tenant.concat("") == mv.tenant, f.slot == mv.slot,
-        ~select(t.tombstones.c.position).where(
-            covers_sql(t.tombstones.c, f)).exists())
+        f.tenant.concat("") == mv.tenant, f.slot == mv.slot, unforgotten(f))
         .order_by(f.order_key).limit(1).scalar_subquery())
 
 
@@ -157,8 +154,7 @@ def _first_key(slot: Any) -> Any:
     # the versions up by tenant (every row of it): the tenant test is written so that no
     # index serves it (`tenant || ''`), which leaves the slot index.
     return select(f.order_key).where(
-        f.tenant.concat("") == bindparam("tenant"), f.slot == slot,
-        ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists()
+        f.tenant.concat("") == bindparam("tenant"), f.slot == slot, unforgotten(f)
     ).order_by(f.order_key).limit(1).scalar_subquery()
 
 
@@ -240,23 +236,6 @@ def page_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
             "owner": owner_prefix, "limit": limit, "offset": offset}
     rows = point_rows(store, _point("page", owner_prefix is not None), vals, opened=False)
     return None if rows is None else [PageRow._make(r) for r in rows]
-
-
-def value_opener(store: Store) -> Callable[[Any], Any]:
-    """Opens a `value` read as stored (`below_now(opened=False)`, `page_now`) as
-    `point_rows` would have: the plaintext, or None once its key is destroyed (the
-    item was forgotten since the read)."""
-    if store.vault is None:
-        return lambda v: v
-    # `SealedView.process_result_value` with its vault looked up once, not per value
-    vault = getattr(store.engine.sync_engine.dialect, DIALECT_ATTR, None)
-    head = MAGIC[:1]
-
-    def opened(v: Any) -> Any:
-        if v is None or bytes(v[:1]) != head:
-            return v
-        return None if vault is None else vault.open(bytes(v))
-    return opened
 
 
 def namespaces_now(store: Store, tenant: str, *, now_us: int,
