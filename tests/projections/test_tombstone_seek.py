@@ -207,3 +207,42 @@ async def test_postgres_plans_seek_the_tombstone_indexes(pg_url: str) -> None:
     conds = [n.get("Index Cond", "") for n in by_index]
     assert any("ns_path" in c and "mkey" in c for c in conds), plan
     assert any("memory_id" in c for c in conds), plan
+
+
+async def test_page_tests_tombstones_of_its_window_and_falls_back(sqlite_url: str) -> None:
+    """`store_reads.page_now` tests the tombstones of its newest rows only: a key whose
+    forget is appended but not projected yet (its row still active in the view, R20) is
+    left out of every page, and each page equals the fully filtered query's (`below`)."""
+    from ledger.validation import parse_event
+    from projections.runner import Runner
+    from projections.views import MemoryProjection
+    from tests.factories import src, write
+
+    s = Store(sqlite_url)
+    await s.open()
+    try:
+        await s.append([parse_event(write(f"k{i}", {"i": i}, source=src(
+            at=f"2026-09-20T10:00:{i:02d}+08:00"))) for i in range(8)])
+        await Runner(s, [MemoryProjection()]).catch_up()
+        prefix = ns_path(["shop-a", "u7", "preferences"])
+        async with s.read() as conn:
+            rows = await store_reads.below(conn, "shop-a", prefix, now_us=0)
+        newest = rows[1]  # the second newest: inside the first page's window
+        gone = Tombstone(10**6, "shop-a", "key", b"\xff" * 16, ns_path=newest.ns_path,
+                         mkey=newest.mkey)
+        async with s.view_write() as conn:
+            await conn.execute(insert(t.tombstones), [tombstone_row(gone)])
+        async with s.read() as conn:
+            live = await store_reads.below(conn, "shop-a", prefix, now_us=0)
+        assert [r.memory_id for r in live] == [r.memory_id for r in rows
+                                                if r.memory_id != newest.memory_id]
+        for offset in range(4):
+            for limit in (1, 2, 5):
+                page = store_reads.page_now(s, "shop-a", prefix, now_us=0, limit=limit,
+                                            offset=offset)
+                assert page is not None
+                want = live[offset:offset + limit]
+                assert [r.memory_id for r in page] == [r.memory_id for r in want]
+                assert [r.created_key for r in page] == [r.created_key for r in want]
+    finally:
+        await s.close()
