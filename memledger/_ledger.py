@@ -236,12 +236,24 @@ class EmbedderSetting:
 
 def _memory(got: dict[str, Any]) -> Memory:
     """`Memory.from_dict` for a dict nobody else holds: its kept copy (`to_dict`) is
-    made by an orjson round trip, a tenth of `copy.deepcopy`'s cost on the hot path
-    (the dict holds JSON values only: it was decoded from the view row)."""
+    the dict itself with new copies of what a caller could change through the
+    attributes (the namespace list, the value and the source), each by an orjson round
+    trip where it is a container: a fraction of `copy.deepcopy`'s cost, and less than
+    a round trip of the whole dict (it holds JSON values only: it was decoded from the
+    view row, and its other entries are strings, numbers or None)."""
+    kept = {**got, "namespace": list(got["namespace"]), "value": _json_copy(got["value"]),
+            "source": _json_copy(got["source"])}
     return Memory(got["memory_id"], tuple(got["namespace"]), got["key"], got["value"],
                   got["layer"], got["version"], got["status"], got["source"],
                   got.get("task_key"), got.get("session_id"), got.get("scope"),
-                  got.get("expires_at"), orjson.loads(orjson.dumps(got)))
+                  got.get("expires_at"), kept)
+
+
+def _json_copy(v: Any) -> Any:
+    """A copy of a decoded JSON value that shares nothing mutable with it."""
+    if isinstance(v, dict | list):
+        return orjson.loads(orjson.dumps(v))
+    return v
 
 
 def _checked_principal(tenant: str, user: str) -> tuple[str, str]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import re
 from collections import namedtuple
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import and_, bindparam, exists, or_, select
+from sqlalchemy import and_, bindparam, exists, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -24,6 +24,7 @@ from ledger.errors import ValidationError
 from ledger.events import NS_SEP, ns_path
 from ledger.forgets import covers_sql
 from ledger.store import Store
+from ledger.vault import DIALECT_ATTR, MAGIC
 from projections.sql import PointQuery, driver_rows, point_rows, prefix_match
 
 LAYER_RANK = {"session": 0, "task": 1, "long": 2}
@@ -55,11 +56,47 @@ class Principal:
         return len(namespace) >= 2 and namespace[0] == self.tenant and namespace[1] == self.user
 
 
+#: The item's coordinates each kind's branch of the rule compares (`covers_sql`; a
+#: prefix forget compares the namespace path alone, by its start).
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "memory_id": ("memory_id",), "key": ("ns_path", "mkey"), "prefix": ("ns_path",),
+    "task": ("task_key",)}
+_COORDINATES = ("memory_id", "ns_path", "mkey", "task_key")
+
+
+def unforgotten(target: Any) -> Any:
+    """SQL: the row of `target` (a table's columns) is covered by no tombstone of the
+    ledger: the rule (`covers_sql`) tested as one `NOT EXISTS` per kind of tombstone.
+
+    One sub-select over every kind (an OR of the four branches) can only seek the
+    tombstones by tenant, so each row tested read every tombstone of its tenant, and
+    each delete slowed every later read of the tenant. Here each kind's sub-select is
+    the rule with the other kinds' coordinates given as absent, which leaves that
+    kind's branch (a key's also keeps the prefix branch, which compares the path too:
+    the key sub-select says `kind = 'key'` and the equalities of its branch beside it).
+    Each is then an equality seek on the tombstone indexes of `ledger.schema`:
+    (tenant, kind, memory id), (tenant, kind, path, key), (tenant, kind, task key);
+    prefix forgets are sought by (tenant, kind). The four cover exactly the rows the
+    single test covers (tests/projections/test_tombstone_seek.py).
+    """
+    ts = t.tombstones.c
+    have = {name for name in _COORDINATES if target.get(name) is not None}
+    tests = []
+    for kind, needs in _NEEDS.items():
+        if not have.issuperset(needs):
+            continue  # the item has no such coordinate: this kind never covers it
+        absent = {name: None for name in _COORDINATES if name not in needs}
+        seek = [ts.kind == kind, *(ts[n] == target[n] for n in needs)] \
+            if kind == "key" else []
+        tests.append(~exists().where(*seek, covers_sql(ts, target, **absent)))
+    return and_(*tests) if tests else true()
+
+
 @functools.cache
 def not_forgotten() -> Any:
     """SQL: the `mem_versions` row is covered by no tombstone of the ledger (built once:
     it holds no value, and SQLAlchemy's expressions are immutable)."""
-    return ~exists().where(covers_sql(t.tombstones.c, t.mem_versions.c))
+    return unforgotten(t.mem_versions.c)
 
 
 def not_expired(now_us: int) -> Any:
@@ -98,9 +135,11 @@ def memory_item(r: Any) -> dict[str, Any]:
     }
 
 
-#: What `get` returns of a row (`memory_item`): every column but the text, which with
-#: the vault on would be opened for nothing.
-_GET_COLUMNS = [c for c in t.mem_versions.c if c.name != "text"]
+#: What `get` returns of a row (`memory_item`), in this order (`_got`): the columns
+#: it shows and no others (the text, with the vault on, would be opened for nothing).
+_GET_COLUMNS = [t.mem_versions.c[name] for name in (
+    "memory_id", "ns_path", "mkey", "value", "layer", "task_key", "session_id", "version",
+    "status", "scope", "expires_at", "source")]
 
 
 def _get_statement() -> Any:
@@ -157,10 +196,46 @@ def get_now(store: Store, who: Principal, namespace: list[str], key: str, *, now
     if not who.owns(namespace):
         return {"found": False}
     rows = point_rows(store, _GET_POINT, _get_values(who, namespace, key, now_us, task,
-                                                     session))
+                                                     session), opened=False)
     if rows is None:
         return None
-    return _best(MemRow._make(r) for r in rows)
+    if not rows:
+        return {"found": False}
+    # The one row of a key's long-term layer, or the best layer of a task's or a
+    # session's: only its value is opened (`value_opener`), and the item is built
+    # from the driver's tuple as `memory_item` builds it from a row.
+    r = rows[0] if len(rows) == 1 else min(rows, key=lambda r: LAYER_RANK[r[4]])
+    return _got(r, value_opener(store)(r[3]))
+
+
+def _got(r: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    """`{"found": True, **memory_item(row)}` of a `_GET_COLUMNS` tuple, its value opened."""
+    return {"found": True, "memory_id": r[0], "namespace": r[1].split(NS_SEP)[:-1],
+            "key": r[2], "value": orjson.loads(value) if value is not None else None,
+            "layer": r[4], "task_key": r[5], "session_id": r[6], "version": r[7],
+            "status": r[8], "scope": r[9], "expires_at": r[10],
+            "source": orjson.loads(r[11])}
+
+
+def value_opener(store: Store) -> Callable[[Any], Any]:
+    """Opens a `value` read as stored (`point_rows(opened=False)`) as `point_rows`
+    would have: the plaintext, or None once its key is destroyed (the item was
+    forgotten since the read)."""
+    if store.vault is None:
+        return _as_stored
+    # `SealedView.process_result_value` with its vault looked up once, not per value
+    vault = getattr(store.engine.sync_engine.dialect, DIALECT_ATTR, None)
+    head = MAGIC[:1]
+
+    def opened(v: Any) -> Any:
+        if v is None or bytes(v[:1]) != head:
+            return v
+        return None if vault is None else vault.open(bytes(v))
+    return opened
+
+
+def _as_stored(v: Any) -> Any:
+    return v
 
 
 async def get_driver(store: Store, who: Principal, namespace: list[str], key: str, *,
@@ -194,7 +269,7 @@ async def active_memories(conn: AsyncConnection, who: Principal, *, now_us: int,
 def task_not_forgotten() -> Any:
     """SQL: the `tasks_view` row is covered by no task purge or prefix forget (the task
     as a whole: the view keeps no order)."""
-    return ~exists().where(covers_sql(t.tombstones.c, t.tasks_view.c))
+    return unforgotten(t.tasks_view.c)
 
 
 async def tasks(conn: AsyncConnection, who: Principal, *, include_closed: bool = False

@@ -10,7 +10,7 @@ principal's namespace prefix, in the SQL itself (R15, R20, R24).
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -18,10 +18,9 @@ from sqlalchemy import bindparam, case, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
-from ledger.forgets import covers_sql
 from ledger.store import Store
-from ledger.vault import DIALECT_ATTR, MAGIC
-from projections.reads import not_expired, not_forgotten
+from projections.reads import not_expired, not_forgotten, unforgotten
+from projections.reads import value_opener as value_opener  # re-exported: the store's opener
 from projections.sql import PointQuery, point_rows, prefix_match
 
 _first = t.mem_versions.alias("first_version")
@@ -52,9 +51,7 @@ def _created_key() -> Any:
     # chose `ix_mem_status` (tenant) over `ix_mem_slot` and read every version of the
     # tenant for each row (1-5 ms per LangGraph get on 5,000 items instead of ~25 us).
     return _first_of_slot(mv.version, mv.order_key, select(f.order_key).where(
-        f.tenant.concat("") == mv.tenant, f.slot == mv.slot,
-        ~select(t.tombstones.c.position).where(
-            covers_sql(t.tombstones.c, f)).exists())
+        f.tenant.concat("") == mv.tenant, f.slot == mv.slot, unforgotten(f))
         .order_by(f.order_key).limit(1).scalar_subquery())
 
 
@@ -139,10 +136,14 @@ def _range(col: Any, lo: Any, hi: Any) -> list[Any]:
     return [col >= lo, col < hi]
 
 
-def _point_live(owner: bool) -> list[Any]:
+def _point_live(owner: bool, tombstones: bool = True) -> list[Any]:
+    """The live filters of the point reads; `tombstones=False` leaves out the tombstone
+    test (a caller that tests the rows it keeps: the `window` page)."""
     mv = t.mem_versions.c
     conds = [mv.tenant == bindparam("tenant"), mv.status == "active", mv.layer == "long",
-             not_expired(bindparam("now")), not_forgotten()]  # type: ignore[arg-type]
+             not_expired(bindparam("now"))]  # type: ignore[arg-type]
+    if tombstones:
+        conds.append(not_forgotten())
     if owner:
         conds.append(func.substr(mv.ns_path, 1, func.length(bindparam("owner")))
                      == bindparam("owner"))
@@ -157,8 +158,7 @@ def _first_key(slot: Any) -> Any:
     # the versions up by tenant (every row of it): the tenant test is written so that no
     # index serves it (`tenant || ''`), which leaves the slot index.
     return select(f.order_key).where(
-        f.tenant.concat("") == bindparam("tenant"), f.slot == slot,
-        ~select(t.tombstones.c.position).where(covers_sql(t.tombstones.c, f)).exists()
+        f.tenant.concat("") == bindparam("tenant"), f.slot == slot, unforgotten(f)
     ).order_by(f.order_key).limit(1).scalar_subquery()
 
 
@@ -199,6 +199,22 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
                    p.slot, _first_of_slot(p.version, p.order_key, _first_key(p.slot))
                    .label("created_key")).order_by(
             p.order_key.desc(), p.memory_id)
+    elif kind == "window":
+        # `page` for the first `limit` rows, with the tombstone test run on those rows
+        # only (a column, `live`), not on every row below the prefix before the sort:
+        # when all of them are live they are the page (`page_now`).
+        inner = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.task_key, mv.value,
+                       mv.order_key, mv.expires_us, mv.slot, mv.version).where(
+            *_point_live(owner, tombstones=False),
+            *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
+            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
+            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id).limit(
+            bindparam("limit")).subquery("page")
+        p = inner.c
+        q = select(p.memory_id, p.ns_path, p.mkey, p.value, p.order_key, p.expires_us,
+                   p.slot, _first_of_slot(p.version, p.order_key, _first_key(p.slot))
+                   .label("created_key"), unforgotten(p).label("live")).order_by(
+            p.order_key.desc(), p.memory_id)
     else:  # created: the created key of each slot of a JSON list (SQLite's json_each)
         page = func.json_each(bindparam("slots")).table_valued("value").alias("page")
         q = select(page.c.value, _first_key(page.c.value))
@@ -236,27 +252,20 @@ def page_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
     """A page of `below` (`limit` rows from `offset`, newest first) with each row's
     `created_key`, in one statement on the calling thread; None where point reads are
     not available. The values as stored (`value_opener` opens them)."""
+    owner = owner_prefix is not None
     vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
-            "owner": owner_prefix, "limit": limit, "offset": offset}
-    rows = point_rows(store, _point("page", owner_prefix is not None), vals, opened=False)
+            "owner": owner_prefix, "limit": offset + limit}
+    # The newest `offset + limit` rows with the tombstone test on them only: when none
+    # is covered (almost always) they are the rows the filtered query would give, in
+    # the same snapshot; else the filtered query pages it (another statement).
+    window = point_rows(store, _point("window", owner), vals, opened=False)
+    if window is None:
+        return None
+    if all(r[-1] for r in window):
+        return [PageRow._make(r[:-1]) for r in window[offset:]]
+    rows = point_rows(store, _point("page", owner), {**vals, "limit": limit,
+                                                     "offset": offset}, opened=False)
     return None if rows is None else [PageRow._make(r) for r in rows]
-
-
-def value_opener(store: Store) -> Callable[[Any], Any]:
-    """Opens a `value` read as stored (`below_now(opened=False)`, `page_now`) as
-    `point_rows` would have: the plaintext, or None once its key is destroyed (the
-    item was forgotten since the read)."""
-    if store.vault is None:
-        return lambda v: v
-    # `SealedView.process_result_value` with its vault looked up once, not per value
-    vault = getattr(store.engine.sync_engine.dialect, DIALECT_ATTR, None)
-    head = MAGIC[:1]
-
-    def opened(v: Any) -> Any:
-        if v is None or bytes(v[:1]) != head:
-            return v
-        return None if vault is None else vault.open(bytes(v))
-    return opened
 
 
 def namespaces_now(store: Store, tenant: str, *, now_us: int,
