@@ -38,6 +38,8 @@ class ErasureProjection:
     tables = ()
     types: tuple[str, ...] | None = FORGETS
     depends_on: tuple[str, ...] = ()
+    #: Forgets are rare: `Runner.catch_up` steps it on its own (`Runner.groups`).
+    sparse = True
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:

@@ -30,6 +30,10 @@ class Projection(Protocol):
     tables: tuple[Any, ...]
     #: Names of the projections whose views it reads (they run before it).
     depends_on: tuple[str, ...]
+    # Optional, read with getattr: `sparse` (True: its `types` are a small share of the
+    # ledger, so `Runner.catch_up` steps it on its own instead of in a fused window of
+    # the views beside it, `Runner.groups`); `prepare` (slow work before a batch's
+    # write transaction, `projections.vectors.VectorProjection.prepare`).
 
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:

@@ -450,21 +450,84 @@ class Runner:
             _report(proj.name, failed)
 
     async def catch_up(self, upto: int | None = None) -> dict[str, int]:
-        """Run every projection until it reaches `upto` (default: the head now)."""
+        """Run every projection until it reaches `upto` (default: the head now).
+
+        In groups (`groups`): a view that reads other views catches up after them, as
+        one after the other did, so an index fed from the views indexes what they hold
+        at the end rather than every state on the way. A group of several projections,
+        for a runner that owns no shard, goes in fused windows (`_window`): each
+        transaction reads the window's events once, applies them to every projection
+        of the group behind its end, in registry order, and moves their checkpoints in
+        one statement. Where a window cannot be fused (a bulk load in progress, shard
+        checkpoints ahead of a base), the group's rest is stepped projection by
+        projection; so is a group of one."""
         await self.store.open()
         head = upto if upto is not None else await self.store.head()
-        applied: dict[str, int] = {}
-        for proj in self.projections:
-            n = 0
-            while True:
-                got = await self.step(proj, head)
-                n += got
-                # at `head` already: no second transaction to find nothing left
-                if got == 0 or self._left.get(proj.name, -1) >= head:
-                    break
-            applied[proj.name] = n
+        applied = {p.name: 0 for p in self.projections}
+        for group in self.groups():
+            if len(group) > 1 and self.owned is None and await self._windows(
+                    group, head, applied):
+                continue
+            for proj in group:
+                n = 0
+                while True:
+                    got = await self.step(proj, head)
+                    n += got
+                    # at `head` already: no second transaction to find nothing left
+                    if got == 0 or self._left.get(proj.name, -1) >= head:
+                        break
+                applied[proj.name] += n
         self._snapshots_after(applied)
         return applied
+
+    def groups(self) -> list[list[Projection]]:
+        """The runner's projections in the groups `catch_up` runs one after the other:
+        by stage (a projection is one stage after the latest of the views it reads that
+        this runner runs, `depends_on`), and in each stage the `sparse` projections
+        (events a small share of the ledger: a step of their own reads only theirs,
+        `SPARSE_SPAN` batches wide) each alone, then the others together; registry
+        order inside a group."""
+        stage: dict[str, int] = {}
+        for proj in self.projections:
+            stage[proj.name] = 1 + max((stage[d] for d in proj.depends_on if d in stage),
+                                       default=-1)
+        out: list[list[Projection]] = []
+        for k in sorted(set(stage.values())):
+            mine = [p for p in self.projections if stage[p.name] == k]
+            alone = [p for p in mine if getattr(p, "sparse", False)]
+            together = [p for p in mine if p not in alone]
+            out += [[p] for p in alone] + ([together] if together else [])
+        return out
+
+    async def _windows(self, group: Sequence[Projection], head: int,
+                       applied: dict[str, int]) -> bool:
+        """Fused windows of `group` up to `head`, adding what each moved to `applied`;
+        False when a window could not be fused (the rest is then stepped)."""
+        while True:
+            got = await self._window(group, head)
+            if got is None:
+                return False
+            end, moved = got
+            for name, n in moved.items():
+                applied[name] += n
+            if end >= head or not moved:
+                return True
+
+    async def _window(self, group: Sequence[Projection], upto: int
+                      ) -> tuple[int, dict[str, int]] | None:
+        """One fused window of `catch_up`: the end it reached and the positions each
+        projection moved, or None when it cannot be fused (nothing was changed)."""
+        for proj in group:
+            prepare = getattr(proj, "prepare", None)
+            if prepare is not None:
+                await prepare(self.store, self.batch_size, self.owned)
+        with no_gc_pauses():
+            fused, end, at, done = await self.store.transaction(
+                lambda conn: self._round_in(conn, upto, group), views=True)
+        if not fused:
+            return None
+        await self._finish_round(at, end, done)
+        return end, {proj.name: end - position for proj, position, _b, _f, _s in done}
 
     def _snapshots_after(self, applied: dict[str, int]) -> None:
         """After a catch-up that moved the `vectors` view far, write recall's snapshot
@@ -509,6 +572,13 @@ class Runner:
         if not fused:
             await self.catch_up(end)
             return end
+        await self._finish_round(at, end, done)
+        return end
+
+    async def _finish_round(self, at: dict[str, int], end: int, done: list[
+            tuple[Projection, int, list[StoredEvent], list[Failure], float]]) -> None:
+        """What follows a committed fused round: report each batch, reclaim erased
+        content, note the views' growth, retry what another code version quarantined."""
         for name, position in at.items():
             self._left[name] = max(position, end)
         for proj, position, batch, failed, started in done:
@@ -522,15 +592,21 @@ class Runner:
             if proj.name in self._stale:
                 self._stale.discard(proj.name)
                 await self.retry_quarantined([proj.name], stale_only=True)
-        return end
 
-    async def _round_in(self, conn: AsyncConnection, upto: int | None) -> tuple[
+    async def _round_in(self, conn: AsyncConnection, upto: int | None,
+                        window: Sequence[Projection] | None = None) -> tuple[
             bool, int, dict[str, int],
             list[tuple[Projection, int, list[StoredEvent], list[Failure], float]]]:
         """The view transaction of `round`, in `conn`: whether it was fused (else
         nothing was changed and `catch_up` must run), the end position, the checkpoints
-        it found and each projection's batch."""
-        names = [p.name for p in self.projections]
+        it found and each projection's batch.
+
+        `window` (`catch_up`): these projections only, and however far `upto` is,
+        one window of `batch_size` positions from the slowest of their checkpoints;
+        checkpoint rows are created if missing, and a projection at 0 is fused unless
+        its bulk load is in progress."""
+        projs = self.projections if window is None else list(window)
+        names = [p.name for p in projs]
         cp, sc, qc = t.checkpoints.c, t.shard_checkpoints.c, t.quarantine.c
         done: list[tuple[Projection, int, list[StoredEvent], list[Failure], float]] = []
         # The round's statements are built once (`prepared`): only their values change.
@@ -540,16 +616,29 @@ class Runner:
                 cp.name.in_(bindparam("names", expanding=True))).order_by(cp.name)))
         at = {str(r[0]): int(r[1])
               for r in (await conn.execute(lock, {"names": names})).all()}
+        if window is not None and len(at) < len(names):
+            for name in names:
+                if name not in at:
+                    await _ensure_checkpoint(conn, self.store, name)
+            at = {str(r[0]): int(r[1])
+                  for r in (await conn.execute(lock, {"names": names})).all()}
         end = upto if upto is not None else await self.store.head(conn)
         low = min(at.values(), default=0)
         ahead = prepared("runner.round.shards", lambda: select(sc.projection).where(
             sc.projection.in_(bindparam("names", expanding=True))).limit(1))
-        fused = (len(at) == len(names) and low > 0
-                 and end - low <= self.batch_size
-                 and (await conn.execute(ahead, {"names": names})).first() is None)
+        if window is not None:
+            fused = (len(at) == len(names)
+                     and (low > 0 or not await self._loading(conn, projs, at))
+                     and (await conn.execute(ahead, {"names": names})).first() is None)
+        else:
+            fused = (len(at) == len(names) and low > 0
+                     and end - low <= self.batch_size
+                     and (await conn.execute(ahead, {"names": names})).first() is None)
         if not fused or end <= low:
             return fused, end, at, done
         count = await shards.shard_count(conn)
+        if window is not None:
+            end = min(low + self.batch_size, end)
         events = await self.store.read_events(conn, low, end - low, end)
         held: dict[str, set[int]] = {}
         quarantined = prepared("runner.round.held", lambda: select(
@@ -560,7 +649,7 @@ class Runner:
                 "names": names, "low": low, "end": end})).all():
             held.setdefault(str(name), set()).add(int(pos))
         plan: list[tuple[Projection, int, list[StoredEvent]]] = []
-        for proj in self.projections:
+        for proj in projs:
             position = at[proj.name]
             if end <= position:
                 continue
@@ -588,6 +677,19 @@ class Runner:
                 await quarantine.record(conn, proj.name, failed)
             done.append((proj, position, batch, failed, started))
         return fused, end, at, done
+
+    @staticmethod
+    async def _loading(conn: AsyncConnection, projs: Sequence[Projection],
+                       at: dict[str, int]) -> bool:
+        """Whether one of `projs` at 0 in `at` has a bulk load in progress (read after
+        the checkpoint locks, as `_step_all` reads it)."""
+        m = t.meta.c
+        loads = [proj.name + BULK_SUFFIX for proj in projs
+                 if at.get(proj.name) == 0 and isinstance(proj, BulkLoadable)]
+        if not loads:
+            return False
+        return (await conn.execute(select(m.name).where(m.name.in_(loads)).limit(1))
+                ).first() is not None
 
     async def _apply_plan(self, conn: AsyncConnection,
                           plan: Sequence[tuple[Projection, int, list[StoredEvent]]],
