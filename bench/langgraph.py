@@ -95,7 +95,7 @@ async def run() -> list[dict[str, Any]]:
     """The figures, each beside LangGraph's in the same run."""
     n = size(100_000, 2_000)
     users = n // PER_NS
-    gets, searches, puts = size(5_000, 1_000), size(1_000, 200), size(300, 100)
+    gets, searches, puts = size(5_000, 500), size(1_000, 100), size(300, 50)
     rng = random.Random(5)
     keys = [(f"u{rng.randrange(users)}", f"k{rng.randrange(PER_NS)}") for _ in range(gets)]
     spaces = [f"u{rng.randrange(users)}" for _ in range(searches)]
