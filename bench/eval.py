@@ -31,6 +31,10 @@ checkout). Without it the LoCoMo part is skipped, saying why. The split is fixed
 conversations 26 30 41 42 43 are for development (tune on these); 44 47 48 49 50 are
 held out (`MEMLEDGER_EVAL_SPLIT=heldout` prints them for an acceptance report: never
 choose a parameter, list or threshold by them).
+
+`--quick` (a smoke run, `make bench-quick`): the first conversation of the split alone,
+`QUICK_QUESTIONS` of its questions taken evenly through it; every figure is printed, at
+that size.
 """
 
 from __future__ import annotations
