@@ -187,8 +187,8 @@ async def cli_pair(d: Path, n: int, out: list[dict[str, Any]]) -> dict[str, Any]
 
 async def run() -> list[dict[str, Any]]:
     """Batched and concurrent append, each beside raw sqlite3 on the same rows."""
-    n_batched = size(100_000, 10_000)
-    n_single = size(TASKS * 300, TASKS * 40)
+    n_batched = size(100_000, 3_000)
+    n_single = size(TASKS * 300, TASKS * 20)
     say(f"building {n_batched + n_single:,} events")
     with no_gc():
         batched_events = mixed_events(n_batched, seed=1)
@@ -229,7 +229,7 @@ async def run() -> list[dict[str, Any]]:
             f"{len(rows) / raw64:,.0f} rows/s); targets >= 0.8x and >= 5,000 events/s: "
             f"{'met' if rate >= 5000 else 'MISSED'}"))
         say("memledger append FILE + memledger project")
-        out.append(await cli_pair(d, size(40_000, 4_000), out))
+        out.append(await cli_pair(d, size(40_000, 1_000), out))
     return out
 
 

@@ -145,8 +145,8 @@ def time_raw(db: Any, calls: Sequence[tuple[str, int]]) -> list[float]:
 
 async def run() -> list[dict[str, Any]]:
     """p50/p99 of as-of get and recall beside the live reads and raw sqlite3."""
-    n = size(10_000, 2_000)
-    gets = size(1_000, 200)
+    n = size(10_000, 1_000)
+    gets = size(1_000, 100)
     recalls = size(60, 15)
     rng = random.Random(9)
     with no_gc():

@@ -384,6 +384,10 @@ def mixed_events(n: int, *, seed: int = 7, tenants: int = 4, users: int | None =
 # -- ledgers ------------------------------------------------------------------------------
 
 _SESSION: dict[str, Any] = {}
+#: Set-up ledgers kept between runs, by code version (`setup_cache_dir`).
+CACHE_ENV: Final = "MEMLEDGER_BENCH_CACHE"
+#: What a set-up ledger's bytes depend on: the append path and the schema it creates.
+_VERSIONED: Final = ("ledger", "projections")
 
 
 async def load_ledger(db: Path, events: Sequence[Event], *, batch: int = 4000) -> float:
@@ -401,25 +405,107 @@ async def load_ledger(db: Path, events: Sequence[Event], *, batch: int = 4000) -
     return c.seconds
 
 
-async def mixed_ledger(dst: Path, n: int, *, seed: int = 3) -> None:
-    """A ledger of `mixed_events(n, seed)` at `dst` (appended through `Store.append`).
+def code_version() -> str:
+    """A digest of everything a set-up ledger's contents depend on: the sources of the
+    packages that append and create the schema, this module (the event generator), the
+    SQLite, SQLAlchemy and Python versions and the vault setting. Any change gives a new
+    version, so a cached ledger built by other code is never used."""
+    import hashlib
+
+    import sqlalchemy
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    files = [Path(__file__).resolve()]
+    for pkg in _VERSIONED:
+        files.extend(sorted((root / pkg).rglob("*.py")))
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(f"{sqlite3.sqlite_version} {sqlalchemy.__version__} {sys.version} "
+             f"vault={os.environ.get('MEMLEDGER_VAULT', '')}".encode())
+    return h.hexdigest()[:16]
+
+
+def setup_cache_dir() -> Path | None:
+    """Where set-up ledgers are kept between runs (`bench-out/cache/<code version>/`), or
+    None when `MEMLEDGER_BENCH_CACHE=0` or the vault is on (its keys live beside the
+    ledger, which a copy of the file alone would not carry). Older versions' entries are
+    removed when a new version's directory is made."""
+    if os.environ.get(CACHE_ENV, "1") in ("0", "off", "no"):
+        return None
+    if os.environ.get("MEMLEDGER_VAULT", "") != "off":
+        return None
+    base = OUT_DIR.resolve() / "cache"
+    here = base / code_version()
+    if not here.is_dir():
+        if base.is_dir():
+            for old in base.iterdir():
+                shutil.rmtree(old, ignore_errors=True)
+        here.mkdir(parents=True, exist_ok=True)
+    return here
+
+
+def _session_dir() -> Path:
+    if "dir" not in _SESSION:
+        _SESSION["dir"] = tempfile.mkdtemp(prefix="memledger-bench-session-")
+        atexit.register(shutil.rmtree, _SESSION["dir"], True)
+    return Path(_SESSION["dir"])
+
+
+async def cached_ledger(dst: Path, key: str, make: Callable[[], Sequence[Event]], *,
+                        depends: Sequence[Path] = (), batch: int = 4000) -> None:
+    """A ledger of the events `make()` returns at `dst`, appended through `Store.append`
+    (`load_ledger`, `batch` per call) and nothing else: no projection has run on it.
 
     Built once per process and copied for each caller, so modules run together share
-    the set-up cost; the copy is the caller's to change.
+    the set-up cost; the copy is the caller's to change. It is also kept in
+    `setup_cache_dir()` for later runs of the same code; its name
+    carries `key` and a digest of the module defining `make` and of `depends` (data
+    files the events are made from), so a changed generator builds afresh
+    (`MEMLEDGER_BENCH_CACHE=0`: always afresh). Shared and kept only without the vault
+    (`vault_off`); with it, built at `dst` for each caller.
     """
-    key = f"mixed-{n}-{seed}"
-    if key not in _SESSION:
-        if "dir" not in _SESSION:
-            _SESSION["dir"] = tempfile.mkdtemp(prefix="memledger-bench-session-")
-            atexit.register(shutil.rmtree, _SESSION["dir"], True)
-        path = Path(_SESSION["dir"]) / f"{key}.db"
+    import hashlib
+
+    mod = sys.modules.get(getattr(make, "__module__", "") or "")
+    sources = [Path(f) for f in (getattr(mod, "__file__", None),) if f] + list(depends)
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()[:12]
+    name = f"{key}-b{batch}-{digest}"
+    if os.environ.get("MEMLEDGER_VAULT", "") != "off":
+        # The vault's keys live beside the ledger (`<file>.vault`): built in place,
+        # never copied without them.
         with no_gc():
-            events = mixed_events(n, seed=seed)
-        say(f"appending {n:,} mixed events through Store.append (set-up)")
-        secs = await load_ledger(path, events)
-        say(f"set-up ledger ready in {secs:.0f} s ({n / secs:,.0f} events/s)")
-        _SESSION[key] = path
-    copy_sqlite(_SESSION[key], dst)
+            events = make()
+        say(f"appending {len(events):,} events through Store.append (set-up {key})")
+        await load_ledger(dst, events, batch=batch)
+        return
+    if name not in _SESSION:
+        cache = setup_cache_dir()
+        kept = cache / f"{name}.db" if cache is not None else None
+        if kept is not None and kept.is_file():
+            say(f"set-up ledger {key} from the cache of this code version "
+                f"({kept.parent.name}; MEMLEDGER_BENCH_CACHE=0 builds it afresh)")
+            _SESSION[name] = kept
+        else:
+            path = _session_dir() / f"{name}.db"
+            with no_gc():
+                events = make()
+            say(f"appending {len(events):,} events through Store.append (set-up {key})")
+            secs = await load_ledger(path, events, batch=batch)
+            say(f"set-up ledger ready in {secs:.0f} s ({len(events) / secs:,.0f} events/s)")
+            del events
+            if kept is not None:
+                part = kept.with_suffix(".part")
+                copy_sqlite(path, part)
+                part.replace(kept)  # whole or absent, never half written
+            _SESSION[name] = path
+    copy_sqlite(_SESSION[name], dst)
+
+
+async def mixed_ledger(dst: Path, n: int, *, seed: int = 3) -> None:
+    """A ledger of `mixed_events(n, seed)` at `dst` (`cached_ledger`: built once, kept
+    between runs of the same code)."""
+    await cached_ledger(dst, f"mixed-{n}-{seed}", lambda: mixed_events(n, seed=seed))
 
 
 # -- running ------------------------------------------------------------------------------

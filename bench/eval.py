@@ -31,6 +31,10 @@ checkout). Without it the LoCoMo part is skipped, saying why. The split is fixed
 conversations 26 30 41 42 43 are for development (tune on these); 44 47 48 49 50 are
 held out (`MEMLEDGER_EVAL_SPLIT=heldout` prints them for an acceptance report: never
 choose a parameter, list or threshold by them).
+
+`--quick` (a smoke run, `make bench-quick`): the first conversation of the split alone,
+`QUICK_QUESTIONS` of its questions taken evenly through it; every figure is printed, at
+that size.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from bench.common import main, result, say, sqlite_url, workdir
+from bench.common import main, quick, result, say, sqlite_url, workdir
 from ledger.builders import Source, wire
 from ledger.store import Store
 from ledger.validation import parse_event
@@ -86,6 +90,9 @@ TENANT: Final = "locomo"
 NOW_US: Final = 1_900_000_000_000_000
 LIMIT: Final = 10
 RRF_K: Final = 60
+#: `--quick` (a smoke run): the first conversation of the split, this many of its
+#: questions taken evenly through it (every category keeps some).
+QUICK_QUESTIONS: Final = 40
 
 
 def data_dir() -> Path:
@@ -502,6 +509,13 @@ async def run() -> list[dict[str, Any]]:
                   f"{DATA_ENV} to the directory holding the locomo10 JSON files)", flush=True)
         else:
             convs = [load_conversation(f) for f in files]
+            if quick():
+                convs = convs[:1]
+                qs = convs[0].questions
+                step = max(1, len(qs) // QUICK_QUESTIONS)
+                convs[0].questions = qs[::step][:QUICK_QUESTIONS]
+                say(f"quick: conversation {convs[0].cid} alone, "
+                    f"{len(convs[0].questions)} of its {len(qs)} questions")
             nq = sum(len(c.questions) for c in convs)
             say(f"LoCoMo {split}: {len(convs)} conversations, "
                 f"{sum(len(c.turns) for c in convs):,} turns, {nq} questions "

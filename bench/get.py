@@ -151,8 +151,8 @@ def time_raw(conn: sqlite3.Connection, lookups: Sequence[Lookup], out: list[floa
 
 async def run() -> list[dict[str, Any]]:
     """p50/p99 of MemoryLedger.get and reads.get beside LangGraph SqliteStore.get."""
-    n = size(100_000, 10_000)
-    samples = size(5_000, 2_000)
+    n = size(100_000, 5_000)
+    samples = size(5_000, 1_000)
     rng = random.Random(5)
     with no_gc():
         events = simple_writes(n, users=USERS, tenant=TENANT)

@@ -158,13 +158,13 @@ async def _http(url: str, tokens: dict[str, str], gets: Sequence[Call],
 
 async def run() -> list[dict[str, Any]]:
     """Throughput and p50/p99 of GET /v1/memories and POST /v1/recall, beside the SDK."""
-    n = size(20_000, 2_000)
+    n = size(20_000, 1_000)
     per_user = n // USERS
     rng = random.Random(17)
     users = [f"u{i}" for i in range(KEYED_USERS)]
     gets = [(rng.choice(users), f"k{rng.randrange(per_user)}")
-            for _ in range(size(4_000, 800))]
-    recalls = [(rng.choice(users), rng.choice(QUERIES)) for _ in range(size(800, 200))]
+            for _ in range(size(4_000, 400))]
+    recalls = [(rng.choice(users), rng.choice(QUERIES)) for _ in range(size(800, 100))]
     with workdir("http") as d:
         db, register = d / "http.db", str(d / "http.forgets")
         db_url = sqlite_url(db)

@@ -1,7 +1,7 @@
 """`memledger.langgraph.MemledgerStore` beside LangGraph's `SqliteStore`, same run.
 
 Both stores get the same items (100k with full sizes: 1,000 namespaces `(user, "prefs")`
-x 100 keys; `--quick` 2k) loaded by batches of 1,000 puts. Then, in rounds that run each
+x 100 keys; `--quick` 1k) loaded by batches of 1,000 puts. Then, in rounds that run each
 store in turn on the same keys (so a change in the shared machine's load falls on both
 alike): single puts, a batch put of 1,000 items, get p50/p99 over random keys, search
 in one namespace without a query (limit 10) and with a filter. Search with a query is
@@ -93,9 +93,9 @@ def _batch_put(store: Any, tag: str) -> float:
 
 async def run() -> list[dict[str, Any]]:
     """The figures, each beside LangGraph's in the same run."""
-    n = size(100_000, 2_000)
+    n = size(100_000, 1_000)
     users = n // PER_NS
-    gets, searches, puts = size(5_000, 1_000), size(1_000, 200), size(300, 100)
+    gets, searches, puts = size(5_000, 500), size(1_000, 100), size(300, 30)
     rng = random.Random(5)
     keys = [(f"u{rng.randrange(users)}", f"k{rng.randrange(PER_NS)}") for _ in range(gets)]
     spaces = [f"u{rng.randrange(users)}" for _ in range(searches)]

@@ -359,13 +359,13 @@ async def one_size(ml: MemoryLedger, dsn: str, events: Sequence[Event], k: str,
     rates.setdefault("all views", {})[k] = n / total
     say(f"postgres {k}: get and recall")
     rng = random.Random(7)
-    ours, base = await get_latencies(ml, dsn, size(2000, 200), rng)
+    ours, base = await get_latencies(ml, dsn, size(2000, 100), rng)
     out.append(result(f"pg get p99 ({k})", percentile(ours, 99), "us",
                       percentile(base, 99), note=(
                           f"p50 {percentile(ours, 50):,.0f} us vs raw "
                           f"{percentile(base, 50):,.0f} us; raw: asyncpg prepared "
                           "SELECT by primary key; target: within 3x")))
-    ours, base = await recall_latencies(ml, dsn, size(200, 30), rng)
+    ours, base = await recall_latencies(ml, dsn, size(200, 20), rng)
     out.append(result(f"pg recall p99 ({k})", percentile(ours, 99), "ms",
                       percentile(base, 99), note=(
                           f"p50 {percentile(ours, 50):.1f} ms vs raw "
@@ -377,7 +377,7 @@ async def growth(out: list[dict[str, Any]], d: Path) -> None:
     """The figures on a fresh ledger of `SMALL` events, then on the same ledger grown to
     `LARGE` by `pad` with `SMALL` more events appended and projected: the projection's
     events/s at the large size against the small."""
-    small, large = size(10_000, 1_000), size(200_000, 6_000)
+    small, large = size(10_000, 1_000), size(200_000, 4_000)
     with no_gc():
         events = mixed_events(2 * small, seed=1)
     rates: dict[str, dict[str, float]] = {}

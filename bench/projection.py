@@ -240,8 +240,8 @@ async def run() -> list[dict[str, Any]]:
 
 
 async def _run() -> list[dict[str, Any]]:
-    n = size(200_000, 20_000)
-    n_vec = size(10_000, 3_000)
+    n = size(200_000, 6_000)
+    n_vec = size(10_000, 1_000)
     out: list[dict[str, Any]] = []
     with workdir("projection") as d:
         for name in ("views.db", "all.db", "raw.db", "vectors.db"):

@@ -21,7 +21,7 @@ corrections, task events; appended through `Store.append` in batches), each size
 `replay rebuild` refills emptied views by bulk loads (`projections.bulk`); the child
 passes `--batch-size` as the CLI does by default (`replay.rebuild.REBUILD_BATCH`).
 
-`--quick` uses 10k and 30k events.
+`--quick` uses 3k and 10k events.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ async def run() -> list[dict[str, Any]]:
 
 
 async def _run() -> list[dict[str, Any]]:
-    sizes = (size(100_000, 10_000), size(1_000_000, 30_000))
+    sizes = (size(100_000, 3_000), size(1_000_000, 10_000))
     results: list[dict[str, Any]] = []
     peaks: dict[int, tuple[float, float]] = {}
     for n in sizes:

@@ -299,10 +299,10 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
 async def run() -> list[dict[str, Any]]:
     """Recall latency at 1,000 users and at one user, embedder and index throughput."""
     emb = current_embedder()
-    n = size(100_000, 10_000)
+    n = size(100_000, 2_000)
     out: list[dict[str, Any]] = []
     base = [m["text"] for m in fixture()["memories"]]
-    texts = [f"{base[i % len(base)]} #{i}" for i in range(size(20_000, 4_000))]
+    texts = [f"{base[i % len(base)]} #{i}" for i in range(size(20_000, 2_000))]
     emb.embed(texts[:200])
     with Clock() as c:
         emb.embed(texts)
@@ -310,14 +310,15 @@ async def run() -> list[dict[str, Any]]:
     out.append(result(f"embed ({emb.name})", embed_rate, "texts/s", None,
                       note=f"{len(texts):,} fixture texts, one batch, one core"))
     with workdir("recall") as d:
-        many, secs, count = await scenario(d, "1,000 users", n, size(1000, 100),
-                                           size(3000, 500), size(300, 100))
+        users = size(1000, 50)
+        many, secs, count = await scenario(d, f"{users:,} users", n, users,
+                                           size(3000, 100), size(300, 30))
         out.extend(many)
         out.append(result("index build (project 100k writes incl. vectors)"
                           if count == 100_000 else f"index build ({count:,} writes)",
                           count / secs, "memories/s", embed_rate, "texts/s",
                           "every projection; baseline: the embedder alone"))
-        one, _, _ = await scenario(d, "one user", n, 1, size(500, 200), size(30, 10))
+        one, _, _ = await scenario(d, "one user", n, 1, size(500, 60), size(30, 10))
         out.extend(one)
     return out
 

@@ -272,7 +272,7 @@ async def _pid(conn: Any) -> int:
 
 async def run() -> list[dict[str, Any]]:
     """The scaling curve, beside one unsharded process."""
-    n = size(6000, 1500)
+    n = size(6000, 500)
     try:
         await _admin("SELECT 1")
     except Exception as e:  # noqa: BLE001 - no server: skip, say why

@@ -117,9 +117,9 @@ async def _gets(path: Path, on: bool, keys: list[tuple[str, str, list[str], str]
 
 async def run() -> list[dict[str, Any]]:
     """The vault's figures beside the same work without it."""
-    n = size(20_000, 4_000)
+    n = size(20_000, 2_000)
     events = mixed_events(n)
-    small = events[: size(4_000, 1_000)]
+    small = events[: size(4_000, 500)]
     rates: dict[str, dict[bool, list[float]]] = {
         k: {True: [], False: []} for k in ("append1000", "append10", "projection",
                                           "cpu_append1000", "cpu_projection")}
@@ -128,7 +128,7 @@ async def run() -> list[dict[str, Any]]:
     writes = [e for e in events if e.type == "memory.written"]
     rng = random.Random(5)
     picks = [(e.tenant, e.data["namespace"][1], list(e.data["namespace"]), e.data["key"])
-             for e in rng.sample(writes, min(len(writes), size(5_000, 1_000)))]
+             for e in rng.sample(writes, min(len(writes), size(5_000, 500)))]
     with workdir("vault") as d:
         for r in range(ROUNDS):
             for on in ((False, True) if r % 2 == 0 else (True, False)):

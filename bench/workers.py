@@ -249,7 +249,7 @@ def _run() -> list[dict[str, Any]]:
                 if _wait(db, 20, 60, projected=True) is None:
                     raise RuntimeError("the worker daemon did not start; see its log")
                 watcher.start()
-                seconds = size(8, 3)
+                seconds = size(8, 1)
                 for rate in (500, 2000):
                     say(f"offering {rate} events/s for {seconds} s")
                     lags, appended, missing, last = _offered(url, watcher, f"r{rate}", rate,
@@ -260,7 +260,7 @@ def _run() -> list[dict[str, Any]]:
                     lag_runs.append((rate, lags, appended, missing, views,
                                      _raw_rows(db, f"r{rate}-%")))
                 watcher.stop.set()
-                n = size(20000, 4000)
+                n = size(20000, 1000)
                 say(f"publishing a backlog of {n} events in messages of 100")
                 h0, _ = _head_and_lag(db)
                 with Publisher(url, batch_size=100) as pub:
