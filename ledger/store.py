@@ -36,7 +36,7 @@ from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent, now_iso
 from ledger.register import ForgetRegister, default_register_path
-from ledger.vault import SEALED_TYPES, KeyStore, attach, open_vault
+from ledger.vault import KeyStore, attach, open_vault
 
 configure_default()
 log = structlog.get_logger("memledger.ledger")
@@ -273,13 +273,6 @@ class Store:
         head = 0
         inline = self.inline or self._append_inline
         try:
-            if self.vault is not None:
-                # The keys this group's content will be sealed with, durable in the
-                # key store before the write transaction takes the lock (`Vault.reserve`:
-                # its write and fsync, when the pool is short, run here, not under it).
-                need = sum(1 for r in group for e in r.events if e.type in SEALED_TYPES)
-                if need and not self.vault.ready(need):
-                    await asyncio.to_thread(self.vault.reserve, need)
             if inline is not None:
                 head, outcomes = await inline.run(lambda conn: Appender(self, conn).run(group))
             else:

@@ -78,7 +78,6 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Final, Protocol, TypeVar
 
@@ -97,8 +96,6 @@ from ledger.errors import MemledgerError
 #: First bytes of a sealed payload (a plaintext payload is JSON and starts with `{`).
 MAGIC: Final = b"\x00mlv1"
 KEY_ID_BYTES: Final = 16
-#: A data key: AES-256.
-DATA_KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
 HEADER: Final = len(MAGIC) + KEY_ID_BYTES
 #: How many ciphers a vault keeps built (`Vault._cache`).
@@ -108,9 +105,6 @@ CIPHER_CACHE: Final = 1 << 16
 #: one provisions (and fsyncs) once per `POOL_MAX` content events.
 POOL_FIRST: Final = 64
 POOL_MAX: Final = 4096
-#: A refill starts in the background once the pool holds fewer keys than the next
-#: pool's size over this, or than twice the last take (`Vault._low_water`).
-POOL_LOW_FRACTION: Final = 4
 #: Event types whose payload is content a forget erases (sealed); the others (forgets,
 #: purges, marks) keep their payload in clear, as erasure keeps it.
 SEALED_TYPES: Final = frozenset({"memory.written", "memory.corrected", "task.opened",
@@ -325,12 +319,9 @@ class KeyStore(ABC):
     def _new_keys(self, ids: Sequence[str]) -> dict[str, tuple[bytes, bytes]]:
         """Fresh random data keys for `ids`: id -> (key, its wrapped form)."""
         wrap = self.wrapper.wrap
-        # One read of the random source for the batch: 32 bytes a key, as
-        # `AESGCM.generate_key(bit_length=256)` reads them, sliced.
-        raw = os.urandom(DATA_KEY_BYTES * len(ids))
         out = {}
-        for i, k in enumerate(ids):
-            key = raw[i * DATA_KEY_BYTES:(i + 1) * DATA_KEY_BYTES]
+        for k in ids:
+            key = AESGCM.generate_key(bit_length=256)
             out[k] = (key, wrap(k, key))
         return out
 
@@ -592,19 +583,16 @@ class FileKeyStore(KeyStore):
                 self._sorted_hi = self._hi[:n][self._order]
                 self._ns = n
             assert self._sorted_hi is not None
-            lo = self._sorted_hi.searchsorted(keys, "left")
-            up = self._sorted_hi.searchsorted(keys, "right")
+            lo = self._sorted_hi.searchsorted(keys, "left").tolist()
+            up = self._sorted_hi.searchsorted(keys, "right").tolist()
             tail = self._hi[self._ns:n]
-            in_tail = np.isin(keys, tail) if len(tail) else np.zeros(len(keys), bool)
             order = self._order
-            hits = [[] for _ in rids]
-            # Only the ids whose first 8 bytes some record shares (none, for a fresh pool
-            # of random ids) are looked at one by one.
-            for j in np.flatnonzero((up > lo) | in_tail).tolist():
-                got = order[lo[j]:up[j]].tolist()
-                if in_tail[j]:
-                    got.extend((np.flatnonzero(tail == keys[j]) + self._ns).tolist())
-                hits[j] = sorted(got)
+            hits = []
+            for j, k in enumerate(keys):
+                got = order[lo[j]:up[j]].tolist() if up[j] > lo[j] else []
+                if len(tail):
+                    got.extend((np.flatnonzero(tail == k) + self._ns).tolist())
+                hits.append(sorted(got))
         else:
             self._scans += len(rids)
             hi = self._hi[:n]
@@ -1243,30 +1231,18 @@ class Vault:
         # when the key is destroyed; bounded, oldest first, so a long-running process
         # does not keep one per event it ever saw.
         self._cache: dict[str, tuple[AESGCM, bytes]] = {}
-        # The key pool: ids of durable keys that have sealed nothing yet, newest last,
-        # and their ciphers (built when the pool is provisioned).
+        # The key pool: ids of durable keys that have sealed nothing yet, newest last.
         self._pool: list[str] = []
-        self._pool_keys: dict[str, tuple[AESGCM, bytes]] = {}
+        self._pool_keys: dict[str, bytes] = {}
         self._pool_next = POOL_FIRST
         self._pool_lock = threading.Lock()
-        #: The last take or reservation (the low-water mark follows it, `_low_water`).
-        self._demand = 0
-        #: The background refill under way, on `_refiller`'s thread (`_after_take`).
-        self._refill: Future[None] | None = None
-        self._refiller: ThreadPoolExecutor | None = None
-        self._closing = False
-        self._pid = os.getpid()
-
-    def _trim(self, room: int = 1) -> None:
-        """Make room for `room` more ciphers: drop the older half (at least `room`)."""
-        cache = self._cache
-        for k in list(itertools.islice(cache, max(CIPHER_CACHE // 2, room))):
-            del cache[k]
 
     def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
-        if len(self._cache) >= CIPHER_CACHE:
-            self._trim()
-        entry = self._cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        cache = self._cache
+        if len(cache) >= CIPHER_CACHE:
+            for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
+                del cache[k]
+        entry = cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
         return entry
 
     def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
@@ -1277,125 +1253,23 @@ class Vault:
                 entry = self._put(kid, raw)
         return entry
 
-    # -- the key pool ---------------------------------------------------------------------
-    def _forked(self) -> None:
-        """In a forked child (caller holds `_pool_lock`): forget the parent's pool and
-        its refill. The pool's keys are the parent's to hand out (a key seals one event:
-        two processes must never take the same one), and a refill under way in the
-        parent has no thread here."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._pool, self._pool_keys = [], {}
-            self._refill, self._refiller = None, None
-
-    def _provisioned(self, n: int) -> dict[str, tuple[AESGCM, bytes]]:
-        """`n` new keys, durable in the key store when this returns, with their ciphers
-        built (the part of sealing that does not need the event)."""
-        return {k: (AESGCM(raw), MAGIC + bytes.fromhex(k))
-                for k, raw in self.keys.provision_pool(n).items()}
-
-    def _add(self, entries: dict[str, tuple[AESGCM, bytes]]) -> None:
-        """Put durable keys in the pool (caller holds `_pool_lock`); taken from the end,
-        so what was left goes first."""
-        self._pool_keys.update(entries)
-        self._pool[:0] = list(entries)
-
-    def _next_size(self, n: int) -> int:
-        size = max(self._pool_next, n)
-        self._pool_next = min(self._pool_next * 2, POOL_MAX)
-        return size
-
-    def _low_water(self) -> int:
-        """Below this many keys a refill starts in the background (`_after_take`)."""
-        return max(self._pool_next // POOL_LOW_FRACTION, 2 * self._demand)
-
-    def _fill(self, n: int) -> None:
-        """Make the pool hold `n` keys, provisioning here what is missing (caller holds
-        `_pool_lock`, and no refill is under way)."""
-        if len(self._pool) < n:
-            self._add(self._provisioned(self._next_size(n - len(self._pool))))
-
-    def _under_way(self, n: int) -> Future[None] | None:
-        """The background refill to wait for before the pool can give `n` keys, if one
-        is under way and the pool is short (caller holds `_pool_lock`)."""
-        fut = self._refill
-        return fut if fut is not None and len(self._pool) < n else None
-
-    def _after_take(self) -> None:
-        """Start a background refill when the pool is low (caller holds `_pool_lock`):
-        the keys are written and fsynced on the refill thread, outside any write
-        transaction, and enter the pool only once durable."""
-        if self._refill is not None or self._closing or len(self._pool) >= self._low_water():
-            return
-        size = self._next_size(self._low_water() - len(self._pool))
-        if self._refiller is None:
-            self._refiller = ThreadPoolExecutor(1, thread_name_prefix="memledger-keys")
-        try:
-            self._refill = self._refiller.submit(self._background, size)
-        except RuntimeError:  # shut down meanwhile (interpreter exit)
-            self._refill = None
-
-    def _background(self, size: int) -> None:
-        """On the refill thread: provision `size` keys (durable), then add them to the
-        pool. A failure adds nothing; the next take that finds the pool short
-        provisions in its own thread and raises there."""
-        try:
-            entries = self._provisioned(size)
-        except BaseException:
-            with self._pool_lock:
-                self._refill = None
-            raise
-        with self._pool_lock:
-            self._add(entries)
-            self._refill = None
-
-    def reserve(self, n: int) -> None:
-        """Make the pool hold at least `n` keys before a write transaction that will
-        take them (`Store._commit_group` calls it, off the event loop, when `ready(n)`
-        says no): waits for a refill under way, provisions what is still missing (one
-        durable write), and starts a background refill if the pool is then low. So the
-        key store's write and fsync run outside the ledger's write lock; `take` inside
-        it finds the keys there."""
-        while True:
-            with self._pool_lock:
-                self._forked()
-                fut = self._under_way(n)
-                if fut is None:
-                    self._demand = min(n, POOL_MAX)
-                    self._fill(n)
-                    self._after_take()
-                    return
-            _wait(fut)
-
-    def ready(self, n: int) -> bool:
-        """Does the pool hold `n` keys now (no lock: a hint for `reserve`; `take` checks
-        again)?"""
-        return len(self._pool) >= n and self._pid == os.getpid()
-
     def take(self, n: int) -> list[str]:
         """`n` fresh key ids from the pool, each durable in the key store already and
-        never handed out again, their ciphers in the cache. A pool too short (no
-        `reserve` before, or a refill that failed) waits for the refill under way,
-        then provisions the rest here (one durable write). Then, if the pool is low, a
-        refill starts in the background."""
-        while True:
-            with self._pool_lock:
-                self._forked()
-                fut = self._under_way(n)
-                if fut is None:
-                    self._demand = min(n, POOL_MAX)
-                    self._fill(n)
-                    pool = self._pool
-                    out = pool[len(pool) - n:]
-                    del pool[len(pool) - n:]
-                    keys, cache = self._pool_keys, self._cache
-                    if len(cache) + n > CIPHER_CACHE:
-                        self._trim(n)
-                    for k in out:
-                        cache[k] = keys.pop(k)
-                    self._after_take()
-                    return out
-            _wait(fut)
+        never handed out again (refilled, one durable write, when it runs short)."""
+        with self._pool_lock:
+            pool = self._pool
+            while len(pool) < n:
+                size = max(self._pool_next, n - len(pool))
+                self._pool_next = min(self._pool_next * 2, POOL_MAX)
+                got = self.keys.provision_pool(size)
+                self._pool_keys.update(got)
+                pool[:0] = list(got)  # taken from the end: what was left goes first
+            out = pool[len(pool) - n:]
+            del pool[len(pool) - n:]
+            keys = self._pool_keys
+            for k in out:
+                self._put(k, keys.pop(k))
+            return out
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         """Encrypt, in place, the payload of every content row, each under a fresh key
@@ -1471,33 +1345,15 @@ class Vault:
         return self.keys.fenced(ids)
 
     def close(self) -> None:
-        """Wait for a refill under way, remove the pool's unused keys (they sealed
-        nothing), release the key store. After a crash they stay in the store: keys of
-        nothing, harmless."""
-        with self._pool_lock:
-            self._forked()
-            self._closing = True
-            fut, refiller = self._refill, self._refiller
-        if fut is not None:
-            _wait(fut)
-        if refiller is not None:
-            refiller.shutdown(wait=True)
+        """Remove the pool's unused keys (they sealed nothing), release the key store.
+        After a crash they stay in the store: keys of nothing, harmless."""
         with self._pool_lock:
             unused, self._pool = self._pool, []
             self._pool_keys.clear()
-            self._refill, self._refiller = None, None
-            self._closing = False
         if unused:
             self.keys.release(unused)
         self._cache.clear()
         self.keys.close()
-
-
-def _wait(fut: Future[None]) -> None:
-    """Wait for a background refill; its failure is not this caller's (a short pool
-    then provisions in the caller's own thread, and raises there)."""
-    with contextlib.suppress(Exception):
-        fut.result()
 
 
 #: The attribute of an engine's dialect that holds its vault (read by `SealedPayload`).
