@@ -21,15 +21,7 @@ with the event but not synced could be lost while the event survives). Rather th
 one key-store fsync per group commit, the vault provisions keys ahead, in pools
 (`KeyStore.provision_pool`: N random 128-bit ids, one write and one fsync, or one
 INSERT of N rows; 64 keys first, doubling up to `POOL_MAX`), and each content event
-takes a fresh one (`Vault.take`). A key enters the pool only once `provision_pool` has
-returned, so every key a take hands out is durable already. The provisioning runs
-outside the ledger's write lock: `Store` reserves a group's keys before its write
-transaction (`Vault.reserve`, on a worker thread, only when the pool is short), and
-a take that leaves the pool below its low-water mark (a quarter of the next pool, or
-twice the last take) starts a refill on a thread of its own (`memledger-keys`), which
-writes, fsyncs and builds the keys' ciphers while appends go on; a take that still
-finds the pool short (a failed refill, a caller that did not reserve) waits for the
-refill under way, then provisions the rest itself. The id of the key an event used is the one in its
+takes a fresh one (`Vault.take`). The id of the key an event used is the one in its
 sealed header (`sealed_key_id`), durable with the event itself: projections read it
 with the payload (`keyed`, `StoredEvent.key_id`) and seal the view copies under the
 same key; a forget finds the covered events by the forget rule in SQL over the
@@ -37,9 +29,7 @@ envelope columns and reads their keys from the payload headers (`substr` of the
 payload, `projections.erasure.shred_keys`). Pool ids are checked against the present
 keys and the fence like any id: a taken or fenced one refuses the batch, which is
 drawn again. Unused pool keys are removed (not fenced) when the vault closes
-cleanly, after any refill under way has finished (its keys too); after a crash they
-remain as keys of nothing, harmless. A forked child never takes its parent's pool
-(a key seals one event): it provisions its own. Ledgers sealed
+cleanly; after a crash they remain as keys of nothing, harmless. Ledgers sealed
 before the pool hold ids derived from the envelope (`key_id`, `memory_key_id`) in
 their headers, and work unchanged since every reader takes the id from the header;
 `subject_of` (the derived id) is still consulted where a payload in clear meets the
