@@ -599,7 +599,7 @@ class MemledgerStore(BaseStore):
         end stops it), then the created times of the page's items."""
         store = self._ml.store
         prefix, plain = self._search_plan(op)
-        opener = store_reads.value_opener(store)
+        opener = reads.value_opener(store)
         if plain:
             page = store_reads.page_now(
                 store, self.tenant, self._prefix(prefix), now_us=now_us,
@@ -729,7 +729,7 @@ class MemledgerStore(BaseStore):
                                      now_us=now_us, owner_prefix=self._owner, opened=False)
         if rows is None:
             return None
-        opener = store_reads.value_opener(store)
+        opener = reads.value_opener(store)
         cands = self._candidates(op, prefix, rows, None, opener)
         cached = self._vectors
         vecs = [cached.get(r.memory_id) for r, _, _ in cands]

@@ -626,14 +626,12 @@ class Runner:
         low = min(at.values(), default=0)
         ahead = prepared("runner.round.shards", lambda: select(sc.projection).where(
             sc.projection.in_(bindparam("names", expanding=True))).limit(1))
-        if window is not None:
-            fused = (len(at) == len(names)
-                     and (low > 0 or not await self._loading(conn, projs, at))
-                     and (await conn.execute(ahead, {"names": names})).first() is None)
-        else:
-            fused = (len(at) == len(names) and low > 0
-                     and end - low <= self.batch_size
-                     and (await conn.execute(ahead, {"names": names})).first() is None)
+        if window is None:  # a round: every projection past 0 and within one batch
+            ready = low > 0 and end - low <= self.batch_size
+        else:  # a window: one batch however far; at 0 unless its bulk load runs
+            ready = low > 0 or not await self._loading(conn, projs, at)
+        fused = (len(at) == len(names) and ready
+                 and (await conn.execute(ahead, {"names": names})).first() is None)
         if not fused or end <= low:
             return fused, end, at, done
         count = await shards.shard_count(conn)

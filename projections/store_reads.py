@@ -20,7 +20,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ledger import schema as t
 from ledger.store import Store
 from projections.reads import not_expired, not_forgotten, unforgotten
-from projections.reads import value_opener as value_opener  # re-exported: the store's opener
 from projections.sql import PointQuery, point_rows, prefix_match
 
 _first = t.mem_versions.alias("first_version")

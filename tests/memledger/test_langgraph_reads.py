@@ -24,7 +24,7 @@ pytest.importorskip("langgraph.store.base")
 from langgraph.store.base import GetOp, ListNamespacesOp, MatchCondition, PutOp, SearchOp
 
 from memledger.langgraph import MemledgerStore, _ranked, _rows
-from projections import store_reads
+from projections import reads, store_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -301,7 +301,7 @@ def test_a_value_erased_after_the_read_is_left_out(sqlite_url: str) -> None:
                                           // 1000, opened=False) or [])
         assert [r.mkey for r in rows] == ["kept", "gone"]
         store.delete(("u7", "prefs"), "gone")
-        opener = store_reads.value_opener(ml)
+        opener = reads.value_opener(ml)
         assert opener(rows[1].value) is None
         kept = store._decoded([(r, None, None) for r in rows], opener)
         assert [(r.mkey, ns, v) for r, ns, v in kept] == [("kept", ("u7", "prefs"), {"v": 2})]
