@@ -66,6 +66,7 @@ import os
 import sqlite3
 import struct
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -86,6 +87,8 @@ from ledger.errors import MemledgerError
 #: First bytes of a sealed payload (a plaintext payload is JSON and starts with `{`).
 MAGIC: Final = b"\x00mlv1"
 KEY_ID_BYTES: Final = 16
+#: A data key: AES-256.
+DATA_KEY_BYTES: Final = 32
 NONCE_BYTES: Final = 12
 HEADER: Final = len(MAGIC) + KEY_ID_BYTES
 #: How many ciphers a vault keeps built (`Vault._cache`).
@@ -309,9 +312,12 @@ class KeyStore(ABC):
     def _new_keys(self, ids: Sequence[str]) -> dict[str, tuple[bytes, bytes]]:
         """Fresh random data keys for `ids`: id -> (key, its wrapped form)."""
         wrap = self.wrapper.wrap
+        # One read of the random source for the batch, 32 bytes a key (what
+        # `AESGCM.generate_key(bit_length=256)` reads for one), sliced.
+        raw = os.urandom(DATA_KEY_BYTES * len(ids))
         out = {}
-        for k in ids:
-            key = AESGCM.generate_key(bit_length=256)
+        for i, k in enumerate(ids):
+            key = raw[i * DATA_KEY_BYTES:(i + 1) * DATA_KEY_BYTES]
             out[k] = (key, wrap(k, key))
         return out
 
@@ -351,6 +357,10 @@ class KeyStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - most stores hold nothing open
         """Release what the store holds open."""
+
+    def _forked(self) -> None:  # noqa: B027 - most stores hold nothing per process
+        """In a forked child (`_after_fork`): drop what belongs to the parent process
+        (open files, connections, threads, locks another thread may have held)."""
 
 
 class FileKeyStore(KeyStore):
@@ -413,6 +423,18 @@ class FileKeyStore(KeyStore):
         self._ns = 0
         self._scans = 0
         self._pending: list[int] = []  # `F` records seen at the first read
+        _PER_PROCESS.add(self)
+
+    def _forked(self) -> None:
+        """A forked child shares the parent's open file description, and with it the
+        parent's `flock`: the two would not exclude each other's appends. The child
+        opens the file afresh (its own description, its own lock) and reads it again."""
+        self._lock = threading.Lock()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # the child's copy: the parent's stays open
+        self._fd, self._ino = None, None
+        self._reset()
 
     def where(self) -> str:
         return str(self.path)
@@ -573,16 +595,20 @@ class FileKeyStore(KeyStore):
                 self._sorted_hi = self._hi[:n][self._order]
                 self._ns = n
             assert self._sorted_hi is not None
-            lo = self._sorted_hi.searchsorted(keys, "left").tolist()
-            up = self._sorted_hi.searchsorted(keys, "right").tolist()
+            lo = self._sorted_hi.searchsorted(keys, "left")
+            up = self._sorted_hi.searchsorted(keys, "right")
             tail = self._hi[self._ns:n]
+            in_tail = np.isin(keys, tail) if len(tail) else np.zeros(len(keys), bool)
             order = self._order
-            hits = []
-            for j, k in enumerate(keys):
-                got = order[lo[j]:up[j]].tolist() if up[j] > lo[j] else []
-                if len(tail):
-                    got.extend((np.flatnonzero(tail == k) + self._ns).tolist())
-                hits.append(sorted(got))
+            hits = [[] for _ in rids]
+            # Only the ids whose first 8 bytes some record shares are looked at one by
+            # one: none, for a pool of fresh random ids (its collision check), where a
+            # scan of the unsorted tail per id made provisioning quadratic.
+            for j in np.flatnonzero((up > lo) | in_tail).tolist():
+                got = order[lo[j]:up[j]].tolist()
+                if in_tail[j]:
+                    got.extend((np.flatnonzero(tail == keys[j]) + self._ns).tolist())
+                hits[j] = sorted(got)
         else:
             self._scans += len(rids)
             hi = self._hi[:n]
@@ -953,6 +979,21 @@ class PostgresKeyStore(KeyStore):
         self._conn: Any = None
         self._cache: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        _PER_PROCESS.add(self)
+
+    def _forked(self) -> None:
+        """A forked child has no event-loop thread and must not speak on the parent's
+        connection: it connects again on first use (the parent's stays the parent's).
+        The parent's loop shares its epoll instance with the child, so closing it here,
+        or letting it be collected (which closes it), would unregister the parent's
+        descriptors and leave the parent's loop waiting forever: it is marked closed
+        (what it does then touches nothing) and kept, with the connection, for the
+        child's lifetime."""
+        self._lock = threading.Lock()
+        if self._loop is not None:
+            self._loop._closed = True  # type: ignore[attr-defined]
+            _INHERITED.append((self._loop, self._conn))
+        self._loop, self._conn = None, None
 
     def where(self) -> str:
         host = self.dsn.rsplit("@", 1)[-1]
@@ -1226,6 +1267,16 @@ class Vault:
         self._pool_keys: dict[str, bytes] = {}
         self._pool_next = POOL_FIRST
         self._pool_lock = threading.Lock()
+        _PER_PROCESS.add(self)
+
+    def _forked(self) -> None:
+        """A forked child drops the parent's pool without releasing it: its keys are
+        the parent's to hand out (a key seals one event, so two processes must never
+        take the same one) and to release at close (a child's close would remove keys
+        the parent is about to seal with). The child provisions a pool of its own."""
+        self._pool_lock = threading.Lock()
+        self._pool, self._pool_keys = [], {}
+        self._pool_next = POOL_FIRST
 
     def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
         cache = self._cache
@@ -1344,6 +1395,23 @@ class Vault:
             self.keys.release(unused)
         self._cache.clear()
         self.keys.close()
+
+
+#: Vaults and key stores alive in this process, told when it forks (`_after_fork`).
+_PER_PROCESS: weakref.WeakSet[Vault | KeyStore] = weakref.WeakSet()
+#: In a forked child: the parent's event loops and connections, never used or closed
+#: here (`PostgresKeyStore._forked`).
+_INHERITED: list[tuple[Any, Any]] = []
+
+
+def _after_fork() -> None:
+    """In a forked child: each vault and key store drops its parent's per-process
+    state (`Vault._forked`, `KeyStore._forked`)."""
+    for obj in list(_PER_PROCESS):
+        obj._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 #: The attribute of an engine's dialect that holds its vault (read by `SealedPayload`).
