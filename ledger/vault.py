@@ -597,17 +597,30 @@ class FileKeyStore(KeyStore):
             assert self._sorted_hi is not None
             lo = self._sorted_hi.searchsorted(keys, "left")
             up = self._sorted_hi.searchsorted(keys, "right")
-            tail = self._hi[self._ns:n]
-            in_tail = np.isin(keys, tail) if len(tail) else np.zeros(len(keys), bool)
+            tail, ns = self._hi[self._ns:n], self._ns
+            # The unsorted tail's records of each id that has some there.
+            in_tail: dict[int, NDArray[np.intp]]
+            if len(keys) <= _SCAN_BATCH:
+                # A few ids (a key read): one comparison with the tail each, where
+                # `isin` would sort the tail on every call.
+                in_tail = {j: got for j, k in enumerate(keys.tolist())
+                           if len(got := np.flatnonzero(tail == k))}
+            elif len(tail):
+                # Many ids (a pool's collision check): the tail compared with all of
+                # them at once, then only the ids it holds one by one.
+                in_tail = {j: np.flatnonzero(tail == keys[j])
+                           for j in np.flatnonzero(np.isin(keys, tail)).tolist()}
+            else:
+                in_tail = {}
             order = self._order
             hits = [[] for _ in rids]
             # Only the ids whose first 8 bytes some record shares are looked at one by
-            # one: none, for a pool of fresh random ids (its collision check), where a
-            # scan of the unsorted tail per id made provisioning quadratic.
-            for j in np.flatnonzero((up > lo) | in_tail).tolist():
+            # one: none, for a pool of fresh random ids, where a scan of the tail per
+            # id made provisioning quadratic.
+            for j in set(np.flatnonzero(up > lo).tolist()) | in_tail.keys():
                 got = order[lo[j]:up[j]].tolist()
-                if in_tail[j]:
-                    got.extend((np.flatnonzero(tail == keys[j]) + self._ns).tolist())
+                if j in in_tail:
+                    got.extend((in_tail[j] + ns).tolist())
                 hits[j] = sorted(got)
         else:
             self._scans += len(rids)
