@@ -29,7 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, false, func, or_
+from sqlalchemy import String, and_, bindparam, false, func, or_
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ColumnElement
+from sqlalchemy.sql.visitors import InternalTraversal
+from sqlalchemy.types import Boolean
 
 from ledger.events import Event, ns_path
 
@@ -121,7 +126,10 @@ def covers_sql(ts: Tombstone | Any, target: Any = None, **columns: Any) -> Any:
         if c["ns_path"] is None or p is None:
             return None
         # substr, not LIKE: no escaping and no collation; lengths count characters.
-        return func.substr(c["ns_path"], 1, len(p) if concrete else func.length(p)) == p
+        match = func.substr(c["ns_path"], 1, len(p) if concrete else func.length(p)) == p
+        if concrete and p:
+            return and_(PrefixSeek(c["ns_path"], p), match)
+        return match
 
     branches: list[tuple[str, Any]] = []
     for kind in KINDS:
@@ -145,6 +153,38 @@ def covers_sql(ts: Tombstone | Any, target: Any = None, **columns: Any) -> Any:
         return and_(tenant, branches[0][1])
     kinds: Any = ts.kind
     return and_(tenant, or_(*[and_(kinds == kind, cond) for kind, cond in branches]))
+
+
+class PrefixSeek(ColumnElement[bool]):
+    """`col` within the range of the paths that start with `prefix` (a stored namespace
+    path, so it ends in the separator), as SQLite can seek an index on `col` by; TRUE
+    elsewhere. `covers_sql` puts it beside its `substr` test of a prefix forget, which
+    alone decides: SQLite compares TEXT bytewise, so there the range holds exactly
+    those paths, and without it a forget of a prefix read every row of its tenant.
+    PostgreSQL compares text by its collation, where the range is not the prefix, so
+    it gets no range (and its indexes would not serve one)."""
+
+    inherit_cache = True
+    type = Boolean()
+    _traverse_internals = [("col", InternalTraversal.dp_clauseelement),  # noqa: RUF012
+                           ("lo", InternalTraversal.dp_clauseelement),
+                           ("hi", InternalTraversal.dp_clauseelement)]
+
+    def __init__(self, col: Any, prefix: str) -> None:
+        self.col = col
+        self.lo = bindparam(None, prefix, type_=String())
+        self.hi = bindparam(None, prefix[:-1] + chr(ord(prefix[-1]) + 1), type_=String())
+
+
+@compiles(PrefixSeek)
+def _no_prefix_seek(element: PrefixSeek, compiler: SQLCompiler, **kw: Any) -> str:
+    return "1 = 1"
+
+
+@compiles(PrefixSeek, "sqlite")
+def _sqlite_prefix_seek(element: PrefixSeek, compiler: SQLCompiler, **kw: Any) -> str:
+    return str(compiler.process(and_(element.col >= element.lo, element.col < element.hi),
+                                **kw))
 
 
 def _column(target: Any, name: str) -> Any:

@@ -36,7 +36,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0008_tombstone_seek"
+SCHEMA_REVISION: Final = "0009_forget_seek"
 
 metadata = MetaData()
 
@@ -401,6 +401,9 @@ mem_history = Table(
     # A principal's active rows with their interval: recall as of P filters the interval
     # on the index entries alone.
     Index("ix_memh_scan", "tenant", "status", "ns_path", "valid_to", "valid_from"),
+    # A forget of a key (or of a namespace prefix, as a range) redacts the key's rows
+    # by a seek, not by reading every row of the tenant.
+    Index("ix_memh_key", "tenant", "ns_path", "mkey"),
 )
 
 # The lexical index (projections/lexical.py): one row per active memory with its *set*

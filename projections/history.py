@@ -248,6 +248,7 @@ class HistoryProjection:
         await insert_rows(store, conn, t.mem_history, changes.rows)
         mh = t.mem_history.c
         for ts in forgets:
+            # Sought by `ix_memh_key` (a prefix forget by its range, `PrefixSeek`).
             await conn.execute(update(t.mem_history).where(
                 covers_sql(ts, mh), mh.redacted.is_(False)).values(
                 **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))

@@ -39,8 +39,9 @@ import numpy as np
 import orjson
 import structlog
 from numpy.typing import NDArray
-from sqlalchemy import and_, bindparam, case, delete, or_, select, update
+from sqlalchemy import and_, bindparam, case, delete, false, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.elements import False_
 
 from ledger import schema as t
 from ledger.events import MEMORY_WRITES, TASK_TYPES
@@ -795,13 +796,19 @@ def task_entries(emb: Embedder, rows: Sequence[Any],
 def _covered_entries(ts: Tombstone) -> Any:
     """SQL over `vectors`: entries a tombstone reaches, whatever their order (the index
     keeps no order; what the slot still holds is re-added). A memory entry's key is its
-    `mem_versions` row's (the index has no key column)."""
+    `mem_versions` row's (the index has no key column).
+
+    Only the kinds of entry the tombstone can reach are named: an `OR` with a branch
+    that is never true (a key forget reaches no task entry) would leave SQLite only the
+    tenant to seek `ix_vectors_ns` by, and each forget would read every entry of its
+    tenant (`tests/projections/test_forget_seek.py`)."""
     vc, mv = t.vectors.c, t.mem_versions.c
     mkey = select(mv.mkey).where(mv.tenant == vc.tenant, mv.memory_id == vc.item_id
                                  ).scalar_subquery()
-    return or_(
-        and_(vc.kind == "memory", covers_sql(ts, vc, memory_id=vc.item_id, mkey=mkey)),
-        and_(vc.kind == "task", covers_sql(ts, vc)))
+    branches = [and_(vc.kind == kind, cond) for kind, cond in (
+        ("memory", covers_sql(ts, vc, memory_id=vc.item_id, mkey=mkey)),
+        ("task", covers_sql(ts, vc))) if not isinstance(cond, False_)]
+    return or_(*branches) if branches else false()
 
 
 async def _source_views_position(conn: AsyncConnection) -> int:
