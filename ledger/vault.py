@@ -54,9 +54,11 @@ first, then removes the key; a fenced id is never provisioned again.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
 import binascii
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -422,6 +424,12 @@ class FileKeyStore(KeyStore):
         self._sorted_hi: NDArray[np.int64] | None = None
         self._ns = 0
         self._scans = 0
+        # For look-ups of a few ids (a key read): the sorted index as compact arrays
+        # `bisect` searches, and the records after it by id, filled as they are met.
+        self._sorted_a: array.array[int] | None = None
+        self._order_a: array.array[int] | None = None
+        self._tail_ids: dict[int, list[int]] = {}
+        self._tail_upto = 0
         self._pending: list[int] = []  # `F` records seen at the first read
         _PER_PROCESS.add(self)
 
@@ -452,6 +460,12 @@ class FileKeyStore(KeyStore):
         self._width, self._n, self._ns, self._scans = -1, 0, 0, 0
         self._hi = np.zeros(0, np.int64)
         self._order = self._sorted_hi = None
+        self._unindex()
+
+    def _unindex(self) -> None:
+        """Forget the few-id look-up's arrays and tail map (the index was rebuilt)."""
+        self._sorted_a = self._order_a = None
+        self._tail_ids, self._tail_upto = {}, self._ns
 
     def _open_fd(self, create: bool) -> int | None:
         """The store's file descriptor (reopened if the file was replaced), or None if
@@ -587,47 +601,66 @@ class FileKeyStore(KeyStore):
         n = self._n
         if not n or not rids:
             return [[] for _ in rids]
-        keys = np.array([int.from_bytes(r[:8], "big", signed=True) for r in rids], np.int64)
+        ints = [int.from_bytes(r[:8], "big", signed=True) for r in rids]
         hits: list[list[int]]
         if len(rids) > _SCAN_BATCH or self._scans >= _SCANS or self._order is not None:
             if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
                 self._order = np.argsort(self._hi[:n], kind="stable")
                 self._sorted_hi = self._hi[:n][self._order]
                 self._ns = n
-            assert self._sorted_hi is not None
-            lo = self._sorted_hi.searchsorted(keys, "left")
-            up = self._sorted_hi.searchsorted(keys, "right")
-            tail, ns = self._hi[self._ns:n], self._ns
-            # The unsorted tail's records of each id that has some there.
-            in_tail: dict[int, NDArray[np.intp]]
-            if len(keys) <= _SCAN_BATCH:
-                # A few ids (a key read): one comparison with the tail each, where
-                # `isin` would sort the tail on every call.
-                in_tail = {j: got for j, k in enumerate(keys.tolist())
-                           if len(got := np.flatnonzero(tail == k))}
-            elif len(tail):
-                # Many ids (a pool's collision check): the tail compared with all of
-                # them at once, then only the ids it holds one by one.
-                in_tail = {j: np.flatnonzero(tail == keys[j])
-                           for j in np.flatnonzero(np.isin(keys, tail)).tolist()}
-            else:
-                in_tail = {}
-            order = self._order
-            hits = [[] for _ in rids]
-            # Only the ids whose first 8 bytes some record shares are looked at one by
-            # one: none, for a pool of fresh random ids, where a scan of the tail per
-            # id made provisioning quadratic.
-            for j in set(np.flatnonzero(up > lo).tolist()) | in_tail.keys():
-                got = order[lo[j]:up[j]].tolist()
-                if j in in_tail:
-                    got.extend((in_tail[j] + ns).tolist())
-                hits[j] = sorted(got)
+                self._unindex()
+            hits = self._seek(ints, n) if len(rids) <= _SCAN_BATCH else self._match(ints, n)
         else:
             self._scans += len(rids)
             hi = self._hi[:n]
-            hits = [np.flatnonzero(hi == k).tolist() for k in keys]
+            hits = [np.flatnonzero(hi == k).tolist() for k in ints]
         return [[i for i in got if self._record(i)[1] == rid]
                 for rid, got in zip(rids, hits, strict=True)]
+
+    def _seek(self, ints: Sequence[int], n: int) -> list[list[int]]:
+        """A few ids (a key read): `bisect` in the sorted index, and the tail's records
+        by id (each record after the index is put in `_tail_ids` once, when first met),
+        so a read costs a few microseconds whatever the size of the file or its tail."""
+        if self._sorted_a is None or self._order_a is None:
+            assert self._sorted_hi is not None and self._order is not None
+            self._sorted_a = array.array("q", self._sorted_hi.tobytes())
+            self._order_a = array.array("q", self._order.astype(np.int64).tobytes())
+        if self._tail_upto < n:
+            tail = self._tail_ids
+            for i, h in enumerate(self._hi[self._tail_upto:n].tolist(), self._tail_upto):
+                tail.setdefault(h, []).append(i)
+            self._tail_upto = n
+        sa, oa, tail = self._sorted_a, self._order_a, self._tail_ids
+        out = []
+        for k in ints:
+            lo = up = bisect.bisect_left(sa, k)
+            while up < len(sa) and sa[up] == k:  # ids share their first 8 bytes rarely
+                up += 1
+            # The index is a stable sort, so equal ids are in file order; the tail's
+            # records come after all of them.
+            out.append(oa[lo:up].tolist() + tail.get(k, []))
+        return out
+
+    def _match(self, ints: Sequence[int], n: int) -> list[list[int]]:
+        """Many ids (a pool's collision check): the sorted index searched and the tail
+        compared with all of them at once; then only the ids some record shares are
+        looked at one by one (none, for a pool of fresh random ids, where a scan of the
+        tail per id made provisioning quadratic)."""
+        assert self._sorted_hi is not None and self._order is not None
+        keys = np.array(ints, np.int64)
+        lo = self._sorted_hi.searchsorted(keys, "left")
+        up = self._sorted_hi.searchsorted(keys, "right")
+        tail, ns = self._hi[self._ns:n], self._ns
+        in_tail = (np.isin(keys, tail) if len(tail)
+                   else np.zeros(len(keys), bool))
+        order = self._order
+        hits: list[list[int]] = [[] for _ in ints]
+        for j in np.flatnonzero((up > lo) | in_tail).tolist():
+            got = order[lo[j]:up[j]].tolist()
+            if in_tail[j]:
+                got.extend((np.flatnonzero(tail == keys[j]) + ns).tolist())
+            hits[j] = got
+        return hits
 
     def _states(self, ids: Sequence[str]) -> list[tuple[int | None, bool]]:
         """For each id: (its key record, or None; is it fenced)."""

@@ -141,14 +141,17 @@ _ids = st.builds(lambda p, tail: (p + tail).hex(), st.sampled_from(_PREFIXES),
           suppress_health_check=[HealthCheck.too_slow])
 @given(batches=st.lists(st.lists(_ids, min_size=1, max_size=12, unique=True),
                         min_size=1, max_size=4),
+       later=st.lists(_ids, min_size=1, max_size=12, unique=True),
        destroyed=st.sets(st.integers(0, 47), max_size=6),
        absent=st.lists(_ids, min_size=9, max_size=20, unique=True))
 def test_a_look_up_by_id_finds_exactly_the_records_of_the_id(
-        batches: list[list[str]], destroyed: set[int], absent: list[str]) -> None:
+        batches: list[list[str]], later: list[str], destroyed: set[int],
+        absent: list[str]) -> None:
     """Ids that share their first 8 bytes (the file's index keys them by those), in
-    batches (so some records are in the sorted index and some in its unsorted tail),
-    some destroyed: a new reader asked for more ids than its one-by-one scan takes
-    gets exactly the keys present and not fenced, as a model of the file says."""
+    batches, some destroyed: a new reader asked for more ids than its one-by-one scan
+    takes (which sorts its index) gets exactly the keys present and not fenced, as a
+    model of the file says; and after more keys are appended (records after its sorted
+    index), so does each read of one id."""
     with tempfile.TemporaryDirectory() as d:
         ks = FileKeyStore(Path(d) / "ledger.vault")
         made: dict[str, bytes] = {}
@@ -159,12 +162,17 @@ def test_a_look_up_by_id_finds_exactly_the_records_of_the_id(
             gone = {order[i] for i in destroyed if i < len(order)}
             if gone:
                 ks.destroy(sorted(gone))
-            asked = order + [k for k in absent if k not in made]
             fresh = FileKeyStore(Path(d) / "ledger.vault")
             try:
+                asked = order + [k for k in absent if k not in made]
                 want = {k: v for k, v in made.items() if k not in gone}
                 assert fresh.load(asked) == want
                 assert fresh.fenced(asked) == gone
+                made.update(ks.provision([k for k in later if k not in made]))
+                want = {k: v for k, v in made.items() if k not in gone}
+                for k in sorted(set(asked) | set(made)):
+                    assert fresh.load([k]) == ({k: want[k]} if k in want else {})
+                    assert fresh.fenced([k]) == ({k} & gone)
             finally:
                 fresh.close()
         finally:
