@@ -20,7 +20,7 @@ so a change in the shared machine's load falls on all of them alike.
 
 The ledger runs with its vault on (the default): each memory's content is sealed under
 a data key of its own, and the first read of a memory in a process looks that key up
-in the key store and builds its cipher (`ledger.vault`, about 15-20 us); the vault
+in the key store and builds its cipher (`ledger.vault`, some 20-40 us); the vault
 keeps the cipher, so a later read of the same memory skips both. Three phases, each
 printed:
 
