@@ -8,6 +8,7 @@ may read, nothing else (R24).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -235,18 +236,16 @@ class EmbedderSetting:
 
 
 def _memory(got: dict[str, Any]) -> Memory:
-    """`Memory.from_dict` for a dict nobody else holds: its kept copy (`to_dict`) is
-    the dict itself with new copies of what a caller could change through the
-    attributes (the namespace list, the value and the source), each by an orjson round
-    trip where it is a container: a fraction of `copy.deepcopy`'s cost, and less than
-    a round trip of the whole dict (it holds JSON values only: it was decoded from the
-    view row, and its other entries are strings, numbers or None)."""
-    kept = {**got, "namespace": list(got["namespace"]), "value": _json_copy(got["value"]),
-            "source": _json_copy(got["source"])}
-    return Memory(got["memory_id"], tuple(got["namespace"]), got["key"], got["value"],
-                  got["layer"], got["version"], got["status"], got["source"],
-                  got.get("task_key"), got.get("session_id"), got.get("scope"),
-                  got.get("expires_at"), kept)
+    """`Memory.from_dict` for a dict nobody else holds: the dict itself is its kept copy
+    (`to_dict`), and the attributes get new copies of what a caller could change
+    through them (the value and the source, each by an orjson round trip where it is a
+    container; the namespace becomes a tuple): a fraction of `copy.deepcopy`'s cost,
+    and less than a round trip of the whole dict (it holds JSON values only: it was
+    decoded from the view row, and its other entries are strings, numbers or None)."""
+    return Memory(got["memory_id"], tuple(got["namespace"]), got["key"],
+                  _json_copy(got["value"]), got["layer"], got["version"], got["status"],
+                  _json_copy(got["source"]), got.get("task_key"), got.get("session_id"),
+                  got.get("scope"), got.get("expires_at"), got)
 
 
 def _json_copy(v: Any) -> Any:
@@ -256,7 +255,14 @@ def _json_copy(v: Any) -> Any:
     return v
 
 
+_CONTROL = re.compile("[\x00-\x1f]")
+
+
 def _checked_principal(tenant: str, user: str) -> tuple[str, str]:
+    if isinstance(tenant, str) and isinstance(user, str) and tenant and user \
+            and "/" not in tenant and "/" not in user \
+            and not _CONTROL.search(tenant) and not _CONTROL.search(user):
+        return tenant, user  # what `Principal.parse` accepts, without building the text
     who = reads.Principal.parse(f"{tenant}/{user}")
     if (who.tenant, who.user) != (tenant, user):
         raise ValidationError("principal", "tenant and user must not contain '/'")

@@ -13,6 +13,8 @@ import memledger
 from ledger import builders
 from ledger.validation import parse_event
 from memledger import Source
+from memledger._ledger import _checked_principal
+from projections import reads
 from tests.cli import Cli
 
 AT = "2026-09-20T10:00:00+08:00"
@@ -246,6 +248,58 @@ async def test_principal_names_and_namespaces_are_checked(sqlite_url: str,
             ml.principal("shop-a", "u7/x")
         with pytest.raises(memledger.ValidationError):
             ml.principal("shop-a", "u7").namespace("preferences")  # type: ignore[arg-type]
+
+
+def _principal_as_parsed(tenant: str, user: str) -> tuple[str, str]:
+    """What `ml.principal(tenant, user)` accepted before its check took a short cut:
+    `TENANT/USER` parsed, and the parts must come back as given."""
+    who = reads.Principal.parse(f"{tenant}/{user}")
+    if (who.tenant, who.user) != (tenant, user):
+        raise memledger.ValidationError("principal", "tenant and user must not contain '/'")
+    return who.tenant, who.user
+
+
+NAME_CHARS = st.text(st.sampled_from(["a", "u", "7", "/", "-", " ", "\x00", "\x1f", "\n",
+                                      "\x7f", "é", "中"]), max_size=5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(tenant=NAME_CHARS | text, user=NAME_CHARS | text)
+def test_principal_check_accepts_and_refuses_as_parsing_does(tenant: str, user: str) -> None:
+    """For any tenant and user, `ml.principal(tenant, user)`'s check gives the pair
+    parsing `TENANT/USER` gives, or the same refusal (R24: no name it refused is let
+    through, none it took is refused)."""
+    assert _outcome(lambda: _checked_principal(tenant, user)) == \
+        _outcome(lambda: _principal_as_parsed(tenant, user))
+
+
+async def test_get_results_share_nothing_with_their_dict(db_url: str,
+                                                         register_path: str) -> None:
+    """A `Memory` from `get` and its `to_dict()` share no mutable value: changing the
+    attributes' value or source, or a dict `to_dict` returned, changes neither the
+    memory nor the next `to_dict()` (both backends' read paths)."""
+    async with memledger.MemoryLedger(db_url, register_path=register_path) as ml:
+        u7 = ml.principal("shop-a", "u7")
+        await u7.remember(["preferences"], "seat", {"side": "window", "rows": [3, 4]},
+                          source=Source.user_request("C17", seq=1, at=AT))
+        m = await u7.get(["preferences"], "seat")
+        fresh = await u7.get(["preferences"], "seat")
+    assert m is not None and fresh is not None and m == fresh
+    first = m.to_dict()
+    assert first["value"] == {"side": "window", "rows": [3, 4]}
+    assert first["namespace"] == ["shop-a", "u7", "preferences"]
+    m.value["side"] = "aisle"
+    m.value["rows"].append(5)
+    m.source["kind"] = "changed"  # type: ignore[index]
+    assert m.to_dict() == first == fresh.to_dict()
+    first["value"]["rows"].clear()
+    first["namespace"].append("x")
+    first["source"]["id"] = "changed"
+    again = m.to_dict()
+    assert again == fresh.to_dict()
+    assert again["value"] == {"side": "window", "rows": [3, 4]}
+    assert m.value == {"side": "aisle", "rows": [3, 4, 5]}
+    assert m.namespace == ("shop-a", "u7", "preferences")
 
 
 def test_public_names() -> None:

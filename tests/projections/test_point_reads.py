@@ -257,3 +257,26 @@ async def test_point_path_answers_as_the_async_path(tmp_path: Path, steps: list[
                                 assert fast == {"found": False}
     finally:
         await store.close()
+
+
+NAME = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tenant=NAME, user=NAME, tail=st.lists(NAME, max_size=3), key=NAME,
+       task=st.none() | NAME, session=st.none() | NAME,
+       now=st.integers(-(2**63), 2**63 - 1))
+def test_get_parameters_are_the_statements_own(tenant: str, user: str, tail: list[str],
+                                               key: str, task: str | None,
+                                               session: str | None, now: int) -> None:
+    """`get_now`'s positional parameters, filled into a template, are for any values
+    the ones `PointQuery.parameters` gives by name: the statement's own values (status,
+    layers, tombstone kinds, the substr start) in place, each of the call's at its bind."""
+    who = reads.Principal(tenant, user)
+    ns = [tenant, user, *tail]
+    want = reads._GET_POINT.parameters(reads._get_values(who, ns, key, now, task, session))
+    got = reads._get_parameters(who, ns, key, now, task, session)
+    assert got == want
+    assert reads._get_parameters(who, ns, key, now, task, session) is not got  # a copy
+    blank = reads._GET_POINT.parameters(dict.fromkeys(reads._GET_VARIABLES))
+    assert blank == reads._GET_TEMPLATE  # the template itself never changes
