@@ -593,16 +593,21 @@ class MemledgerStore(BaseStore):
     def _search_now(self, op: SearchOp, now_us: int) -> list[SearchItem] | None:
         """An unranked search with point reads; None where they are not available.
         Without a filter one statement answers it (`store_reads.page_now`: the page and
-        its items' created times). With a filter: the newest rows below the prefix with
-        their values as stored (the newest `offset + limit`, then every row if too few
-        pass), each opened and decoded only as the filter reaches it (the page's
-        end stops it), then the created times of the page's items."""
+        its items' created times). With a filter: the newest `offset + limit` rows
+        below the prefix (`store_reads.window_now`: their created times and the
+        tombstone test of those rows only, in the same statement), then, if too few
+        pass or one is covered, every row (a second statement: SQLite reads and sorts
+        the prefix's rows for any LIMIT, so growing windows would each cost about a
+        full read) and the created times of the page's items. Values are read as
+        stored, each opened and decoded only as the filter reaches it (the page's end
+        stops it)."""
         store = self._ml.store
         prefix, plain = self._search_plan(op)
         opener = reads.value_opener(store)
+        path = self._prefix(prefix)
         if plain:
             page = store_reads.page_now(
-                store, self.tenant, self._prefix(prefix), now_us=now_us,
+                store, self.tenant, path, now_us=now_us,
                 owner_prefix=self._owner, limit=op.limit, offset=op.offset)
             if page is None:
                 return None
@@ -621,22 +626,26 @@ class MemledgerStore(BaseStore):
                     score=None))
             return out
         wanted = op.offset + op.limit
-        window: int | None = wanted
-        while True:
-            # The newest `wanted` rows first, in one statement: when enough of them pass
-            # the filter, the page is the one all the rows of that snapshot would give;
-            # else every row (a second statement: SQLite reads and sorts the prefix's
-            # rows for any LIMIT, so growing windows would each cost about a full read).
-            rows = store_reads.below_now(store, self.tenant, self._prefix(prefix),
-                                         now_us=now_us, owner_prefix=self._owner,
-                                         limit=window, opened=False)
-            if rows is None:
-                return None
-            got = list(rows)
-            found = self._candidates(op, prefix, got, wanted, opener)
-            if window is None or len(found) >= wanted or len(got) < window:
-                break
-            window = None
+        got = store_reads.window_now(store, self.tenant, path, now_us=now_us,
+                                     limit=wanted, owner_prefix=self._owner)
+        if got is None:
+            return None
+        window, live = got
+        if live:
+            found = self._candidates(op, prefix, window, wanted, opener)
+            if len(found) >= wanted or len(window) < wanted:
+                # the page the window's snapshot gives over every row: its rows are
+                # the newest live ones, and those after them come after the page
+                return [SearchItem(namespace=ns, key=decode_label(r.mkey), value=value,
+                                   created_at=_at(r.created_key or r.order_key),
+                                   updated_at=_at(r.order_key), score=None)
+                        for r, ns, value in self._decoded(
+                            found[op.offset:op.offset + op.limit], opener)]
+        rows = store_reads.below_now(store, self.tenant, path, now_us=now_us,
+                                     owner_prefix=self._owner, opened=False)
+        if rows is None:
+            return None
+        found = self._candidates(op, prefix, rows, wanted, opener)
         kept = self._decoded(found[op.offset:op.offset + op.limit], opener)
         created = self._created(store, [r for r, _, _ in kept])
         if created is None:

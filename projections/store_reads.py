@@ -18,6 +18,7 @@ from sqlalchemy import bindparam, case, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
+from ledger.events import NS_SEP
 from ledger.store import Store
 from projections.reads import not_expired, not_forgotten, unforgotten
 from projections.sql import PointQuery, point_rows, prefix_match
@@ -128,25 +129,51 @@ PageRow = namedtuple("PageRow", ["memory_id", "ns_path", "mkey", "value",  # typ
                                  "order_key", "expires_us", "slot", "created_key"])
 
 
+#: The character after the namespace separator: a prefix `p` (ending in the separator)
+#: is the range `p <= path < p[:-1] + _AFTER_SEP`.
+_AFTER_SEP = chr(ord(NS_SEP) + 1)
+
+
 def _range(col: Any, lo: Any, hi: Any) -> list[Any]:
     """SQL: `lo <= col < hi`, the bytewise range of a namespace path prefix ending in the
     separator (`projections.sql.prefix_range`): SQLite only, where TEXT compares
-    bytewise; it lets `ix_mem_lookup` serve the prefix."""
+    bytewise; it lets `ix_mem_lookup` serve the prefix. It is the prefix test itself,
+    not a hint beside one: a path in the range starts with `lo` (its characters up to
+    the separator are `lo`'s, and the next one lies in [separator, `_AFTER_SEP`), which
+    holds the separator only), and every path that starts with `lo` is in it
+    (tests/memledger/test_langgraph_reads.py checks it against `startswith` for any
+    labels). So the point reads test no `substr` beside it, for every row below the
+    prefix (9 us of the 100 us of a search's statement over 100 rows, measured)."""
     return [col >= lo, col < hi]
 
 
 def _point_live(owner: bool, tombstones: bool = True) -> list[Any]:
     """The live filters of the point reads; `tombstones=False` leaves out the tombstone
-    test (a caller that tests the rows it keeps: the `window` page)."""
+    test (a caller that tests the rows it keeps: the `window` page). The principal's
+    prefix is the range of `owner` to `owner_hi` (`_range`, `_hi`)."""
     mv = t.mem_versions.c
     conds = [mv.tenant == bindparam("tenant"), mv.status == "active", mv.layer == "long",
              not_expired(bindparam("now"))]  # type: ignore[arg-type]
     if tombstones:
         conds.append(not_forgotten())
     if owner:
-        conds.append(func.substr(mv.ns_path, 1, func.length(bindparam("owner")))
-                     == bindparam("owner"))
+        conds.extend(_range(mv.ns_path, bindparam("owner"), bindparam("owner_hi")))
     return conds
+
+
+def _below_prefix() -> list[Any]:
+    """SQL (point reads): the row's namespace path starts with `prefix` (`_range` of
+    `prefix` to `hi`, exact for a path that ends in the separator)."""
+    return _range(t.mem_versions.c.ns_path, bindparam("prefix"), bindparam("hi"))
+
+
+def _hi(prefix: str | None) -> str | None:
+    """The upper bound of `_range` for a namespace path prefix (None stays None)."""
+    if prefix is None:
+        return None
+    if not prefix.endswith(NS_SEP):
+        raise ValueError(f"a namespace path prefix ends in the separator: {prefix!r}")
+    return prefix[:-1] + _AFTER_SEP
 
 
 def _first_key(slot: Any) -> Any:
@@ -175,9 +202,8 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
     elif kind == "below":
         q = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key, mv.expires_us,
                    mv.slot, mv.version).where(
-            *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
-            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
-            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id)
+            *_point_live(owner), *_below_prefix()).order_by(mv.order_key.desc(),
+                                                            mv.memory_id)
         if limited:
             q = q.limit(bindparam("limit")).offset(bindparam("offset"))
     elif kind == "namespaces":
@@ -189,9 +215,8 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
         # the sort), in the same statement, so in the same snapshot as the rows.
         inner = select(mv.memory_id, mv.ns_path, mv.mkey, mv.value, mv.order_key,
                        mv.expires_us, mv.slot, mv.version).where(
-            *_point_live(owner), *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
-            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
-            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id).limit(
+            *_point_live(owner), *_below_prefix()).order_by(mv.order_key.desc(),
+                                                            mv.memory_id).limit(
             bindparam("limit")).offset(bindparam("offset")).subquery("page")
         p = inner.c
         q = select(p.memory_id, p.ns_path, p.mkey, p.value, p.order_key, p.expires_us,
@@ -204,10 +229,8 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
         # when all of them are live they are the page (`page_now`).
         inner = select(mv.tenant, mv.memory_id, mv.ns_path, mv.mkey, mv.task_key, mv.value,
                        mv.order_key, mv.expires_us, mv.slot, mv.version).where(
-            *_point_live(owner, tombstones=False),
-            *_range(mv.ns_path, bindparam("prefix"), bindparam("hi")),
-            func.substr(mv.ns_path, 1, func.length(bindparam("prefix")))
-            == bindparam("prefix")).order_by(mv.order_key.desc(), mv.memory_id).limit(
+            *_point_live(owner, tombstones=False), *_below_prefix()).order_by(
+            mv.order_key.desc(), mv.memory_id).limit(
             bindparam("limit")).subquery("page")
         p = inner.c
         q = select(p.memory_id, p.ns_path, p.mkey, p.value, p.order_key, p.expires_us,
@@ -221,12 +244,16 @@ def _point(kind: str, owner: bool = False, limited: bool = False) -> PointQuery:
     return got
 
 
+def _owner_values(owner_prefix: str | None) -> dict[str, Any]:
+    return {"owner": owner_prefix, "owner_hi": _hi(owner_prefix)}
+
+
 def get_now(store: Store, tenant: str, target: tuple[str, str], *, now_us: int,
             owner_prefix: str | None = None) -> list[Any] | None:
     """`get_many` of one `(ns_path, key)` on the calling thread where the backend can;
     None where it cannot (then await `get_many`). The same filters, in the SQL."""
     vals = {"tenant": tenant, "now": now_us, "ns": target[0], "key": target[1],
-            "owner": owner_prefix}
+            **_owner_values(owner_prefix)}
     rows = point_rows(store, _point("get", owner_prefix is not None), vals)
     return None if rows is None else [Row._make(r) for r in rows]
 
@@ -238,12 +265,35 @@ def below_now(store: Store, tenant: str, prefix: str, *, now_us: int,
     rows made when iterated, without `created_key`: `created_now` gives it for the
     rows a caller keeps, so a search that pages or filters in Python looks it up for
     its page only. `opened=False`: the values as stored (sealed), for a caller that
-    opens the few it decodes (`value_opener`)."""
-    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
-            "owner": owner_prefix, "limit": limit, "offset": offset}
+    opens the few it decodes (`value_opener`). `prefix` ends in the separator (a
+    namespace path)."""
+    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": _hi(prefix),
+            "limit": limit, "offset": offset, **_owner_values(owner_prefix)}
     rows = point_rows(store, _point("below", owner_prefix is not None, limit is not None),
                       vals, opened=opened)
     return None if rows is None else map(BelowRow._make, rows)  # made as they are used
+
+
+def window_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
+               owner_prefix: str | None = None) -> tuple[list[Any], bool] | None:
+    """The newest `limit` rows below `prefix` that are active, long-term and unexpired,
+    with each row's `created_key` (`PageRow`s, values as stored), in one statement on
+    the calling thread, and whether none of them is covered by a tombstone; None where
+    point reads are not available.
+
+    The tombstone test runs on these rows only, not on every row below the prefix
+    before the sort (four index seeks a row: 31 us of a 131 us statement over 100
+    rows, measured). When it passes for all of them (almost always: a forget's rows
+    leave the active status once it is projected) they are the newest `limit` rows of
+    the fully filtered query (`below`), in the same snapshot; when one is covered the
+    caller reads the fully filtered query instead (another statement)."""
+    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": _hi(prefix),
+            "limit": limit, **_owner_values(owner_prefix)}
+    window = point_rows(store, _point("window", owner_prefix is not None), vals,
+                        opened=False)
+    if window is None:
+        return None
+    return [PageRow._make(r[:-1]) for r in window], all(r[-1] for r in window)
 
 
 def page_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
@@ -251,19 +301,19 @@ def page_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: int,
     """A page of `below` (`limit` rows from `offset`, newest first) with each row's
     `created_key`, in one statement on the calling thread; None where point reads are
     not available. The values as stored (`value_opener` opens them)."""
-    owner = owner_prefix is not None
-    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": prefix[:-1] + "\x20",
-            "owner": owner_prefix, "limit": offset + limit}
     # The newest `offset + limit` rows with the tombstone test on them only: when none
     # is covered (almost always) they are the rows the filtered query would give, in
     # the same snapshot; else the filtered query pages it (another statement).
-    window = point_rows(store, _point("window", owner), vals, opened=False)
-    if window is None:
+    got = window_now(store, tenant, prefix, now_us=now_us, limit=offset + limit,
+                     owner_prefix=owner_prefix)
+    if got is None:
         return None
-    if all(r[-1] for r in window):
-        return [PageRow._make(r[:-1]) for r in window[offset:]]
-    rows = point_rows(store, _point("page", owner), {**vals, "limit": limit,
-                                                     "offset": offset}, opened=False)
+    window, live = got
+    if live:
+        return window[offset:]
+    vals = {"tenant": tenant, "now": now_us, "prefix": prefix, "hi": _hi(prefix),
+            "limit": limit, "offset": offset, **_owner_values(owner_prefix)}
+    rows = point_rows(store, _point("page", owner_prefix is not None), vals, opened=False)
     return None if rows is None else [PageRow._make(r) for r in rows]
 
 
@@ -272,7 +322,7 @@ def namespaces_now(store: Store, tenant: str, *, now_us: int,
     """`namespaces` on the calling thread where the backend can; None where it cannot
     (then await `namespaces`). The same filters, in the SQL."""
     rows = point_rows(store, _point("namespaces", owner_prefix is not None),
-                      {"tenant": tenant, "now": now_us, "owner": owner_prefix})
+                      {"tenant": tenant, "now": now_us, **_owner_values(owner_prefix)})
     return None if rows is None else [r[0] for r in rows]
 
 
