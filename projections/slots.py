@@ -42,6 +42,8 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
     to the position the writes and `tombs` were read up to; `marked`, when the caller
     knows it, narrows that to the (tenant, memory id)s that have marks. Every slot must
     belong to a tenant whose tombstones are all in `tombs`.
+
+    The rows come slot by slot in `path_order` (a slot's rows in `resolve_slot`'s order).
     """
     mk = t.mem_marks.c
     ids = sorted({(w.tenant, w.memory_id) for ws in slots.values() for w in ws}
@@ -64,13 +66,23 @@ async def resolve_slots(conn: AsyncConnection, slots: dict[str, list[WriteFact]]
     for ts in tombs:
         by_tenant.setdefault(ts.tenant, []).append(ts)
     rows: list[dict[str, Any]] = []
-    for slot in sorted(slots):
+    for slot in sorted((s for s in slots if slots[s]), key=lambda s: path_order(s, slots[s])):
         ws = slots[slot]
-        if not ws:
-            continue
         ms = [m for w in ws for m in slot_marks.get((w.tenant, w.memory_id), ())]
         rows.extend(resolve_slot(ws, ms, confirmed, by_tenant.get(ws[0].tenant, [])))
     return rows
+
+
+def path_order(slot: str, writes: Sequence[WriteFact]) -> tuple[str, str, str, str, str]:
+    """The order `resolve_slots` gives its slots' rows in: by tenant, namespace path and
+    key (then layer and slot id), so a round inserts one namespace's rows next to each
+    other. On SQLite a table's rows lie in the order they were inserted (their rowids),
+    and a search reads every row below a namespace prefix: in slot order, a hash, one
+    namespace written in one round was spread over every page the round filled. Only
+    where the rows lie changes, never which rows the view holds (every write of a slot
+    shares its tenant, path, key and layer: `ledger.events.slot_id`)."""
+    w = writes[0]
+    return (w.tenant, w.ns_path, w.key, w.layer, slot)
 
 
 async def marks_aimed(conn: AsyncConnection, pairs: Sequence[tuple[str, str]]
