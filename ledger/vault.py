@@ -1314,9 +1314,11 @@ class Vault:
         # when the key is destroyed; bounded, oldest first, so a long-running process
         # does not keep one per event it ever saw.
         self._cache: dict[str, tuple[AESGCM, bytes]] = {}
-        # The key pool: ids of durable keys that have sealed nothing yet, newest last.
+        # The key pool: ids of durable keys that have sealed nothing yet, newest last,
+        # with their ciphers built when the pool was filled (`reserve`), so a take
+        # under the write lock builds nothing.
         self._pool: list[str] = []
-        self._pool_keys: dict[str, bytes] = {}
+        self._pool_keys: dict[str, tuple[AESGCM, bytes]] = {}
         self._pool_next = POOL_FIRST
         self._pool_lock = threading.Lock()
         _PER_PROCESS.add(self)
@@ -1330,12 +1332,16 @@ class Vault:
         self._pool, self._pool_keys = [], {}
         self._pool_next = POOL_FIRST
 
-    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+    def _evict(self) -> None:
+        """Drop the older half of the cipher cache."""
         cache = self._cache
-        if len(cache) >= CIPHER_CACHE:
-            for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
-                del cache[k]
-        entry = cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
+            del cache[k]
+
+    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+        if len(self._cache) >= CIPHER_CACHE:
+            self._evict()
+        entry = self._cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
         return entry
 
     def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
@@ -1346,22 +1352,45 @@ class Vault:
                 entry = self._put(kid, raw)
         return entry
 
+    def ready(self, n: int) -> bool:
+        """Does the pool hold `n` keys already (a `take(n)` would write nothing)?"""
+        return len(self._pool) >= n
+
+    def reserve(self, n: int) -> None:
+        """Fill the pool until it holds at least `n` keys: the key store's durable write
+        (one write and one fsync, or one INSERT) and the ciphers of the new keys. The
+        append path calls it before its write transaction (`Store._commit_group`), so
+        neither runs under the ledger's write lock; `take` still refills by itself when
+        nobody reserved."""
+        with self._pool_lock:
+            self._fill(n)
+
+    def _fill(self, n: int) -> None:
+        """(`_pool_lock` held.) Provision pools until the pool holds `n` keys."""
+        pool = self._pool
+        while len(pool) < n:
+            size = max(self._pool_next, n - len(pool))
+            self._pool_next = min(self._pool_next * 2, POOL_MAX)
+            got = self.keys.provision_pool(size)
+            # Keys enter the pool only once `provision_pool` returned: durable.
+            self._pool_keys.update(
+                (k, (AESGCM(raw), MAGIC + bytes.fromhex(k))) for k, raw in got.items())
+            pool[:0] = list(got)  # taken from the end: what was left goes first
+
     def take(self, n: int) -> list[str]:
         """`n` fresh key ids from the pool, each durable in the key store already and
         never handed out again (refilled, one durable write, when it runs short)."""
         with self._pool_lock:
             pool = self._pool
-            while len(pool) < n:
-                size = max(self._pool_next, n - len(pool))
-                self._pool_next = min(self._pool_next * 2, POOL_MAX)
-                got = self.keys.provision_pool(size)
-                self._pool_keys.update(got)
-                pool[:0] = list(got)  # taken from the end: what was left goes first
+            if len(pool) < n:
+                self._fill(n)
             out = pool[len(pool) - n:]
             del pool[len(pool) - n:]
-            keys = self._pool_keys
+            keys, cache = self._pool_keys, self._cache
+            while cache and len(cache) + n > CIPHER_CACHE:
+                self._evict()
             for k in out:
-                self._put(k, keys.pop(k))
+                cache[k] = keys.pop(k)
             return out
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:
