@@ -887,7 +887,65 @@ class FileKeyStore(KeyStore):
             self._open_fd(create=True)
 
     def get(self, kid: str) -> bytes | None:
-        return self.load([kid]).get(kid)
+        """`load([kid])` for one id (a reader's first open of a value: `Vault.open`),
+        each candidate record read once: the same answer, fences and other processes'
+        appends counted alike."""
+        with self._lock:
+            key = self._cached(kid)
+            if key is not None:
+                return key
+            if self._fd is None:
+                self._refresh()
+            rid = bytes.fromhex(kid)
+            found, key = self._one(kid, rid)
+            if not found:
+                seen = (self._ino, self._n)
+                self._refresh()  # appended (or rewritten) by another process since?
+                if (self._ino, self._n) != seen:
+                    key = self._one(kid, rid)[1]
+            return key
+
+    def _one(self, kid: str, rid: bytes) -> tuple[bool, bytes | None]:
+        """(caller holds `_lock`) Whether the file holds a key or a fence of `rid`, and
+        the unwrapped key (None if absent or fenced), read as `_states` reads it."""
+        n = self._n
+        if not n:
+            return False, None
+        hit: list[int]
+        if self._scans >= _SCANS or self._order is not None:
+            if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
+                return self._fallback(kid)
+            hit = self._seek([int.from_bytes(rid[:8], "big", signed=True)], n)[0]
+        else:
+            return self._fallback(kid)
+        key_rec: int | None = None
+        body = b""
+        fenced = False
+        for i in hit:
+            tag, got, content = self._record(i)
+            if got != rid:
+                continue
+            if tag == b"K":
+                key_rec, body = i, content
+            elif tag in (b"F", b"X"):
+                fenced = True
+        if fenced:
+            return True, None
+        if key_rec is None:
+            return False, None
+        key = self.wrapper.unwrap(kid, body)
+        self._plain[kid] = (key_rec, key)
+        return True, key
+
+    def _fallback(self, kid: str) -> tuple[bool, bytes | None]:
+        """`_one` where the sorted index is not built (or due to be rebuilt): by
+        `_states`, which builds it when due."""
+        (rec, fenced), = self._states([kid])
+        if fenced:
+            return True, None
+        if rec is None:
+            return False, None
+        return True, self._unwrapped(kid, rec)
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         with self._lock:

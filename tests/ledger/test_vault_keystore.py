@@ -225,7 +225,7 @@ def test_three_processes_agree_with_a_model(tmp_path_factory: pytest.TempPathFac
     after the fence, torn appends and restarts, through three store objects on one file
     (three processes): every store reads exactly the model's keys, reports exactly its
     fences, refuses a fenced id, and no destroyed key's bytes remain in the file once a
-    process has opened it since."""
+    process has opened it since; a read of one id (`get`) answers as `load` does."""
     path = tmp_path_factory.mktemp("ks") / "k.vault"
     stores = [FileKeyStore(path) for _ in range(3)]
     keys: dict[str, bytes] = {}
@@ -269,6 +269,10 @@ def test_three_processes_agree_with_a_model(tmp_path_factory: pytest.TempPathFac
             ks.close()
             stores[who] = FileKeyStore(path)
         for s in stores:
+            # One id at a time (`get`, a reader's first open), before anything else has
+            # read what the others appended: the same answers as `load`.
+            for k in [*_IDS, *keys]:
+                assert s.get(k) == keys.get(k)
             assert s.fenced(_IDS) == fences & set(_IDS)  # reads what others appended
             for k in fences:
                 assert s.get(k) is None
