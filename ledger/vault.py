@@ -21,7 +21,9 @@ with the event but not synced could be lost while the event survives). Rather th
 one key-store fsync per group commit, the vault provisions keys ahead, in pools
 (`KeyStore.provision_pool`: N random 128-bit ids, one write and one fsync, or one
 INSERT of N rows; 64 keys first, doubling up to `POOL_MAX`), and each content event
-takes a fresh one (`Vault.take`). The id of the key an event used is the one in its
+takes a fresh one (`Vault.take`); the append path fills the pool before a group's
+write transaction (`Vault.reserve`), so its write and fsync never hold the ledger's
+write lock. The id of the key an event used is the one in its
 sealed header (`sealed_key_id`), durable with the event itself: projections read it
 with the payload (`keyed`, `StoredEvent.key_id`) and seal the view copies under the
 same key; a forget finds the covered events by the forget rule in SQL over the
