@@ -36,7 +36,7 @@ from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent, now_iso
 from ledger.register import ForgetRegister, default_register_path
-from ledger.vault import KeyStore, attach, open_vault
+from ledger.vault import SEALED_TYPES, KeyStore, attach, open_vault
 
 configure_default()
 log = structlog.get_logger("memledger.ledger")
@@ -273,6 +273,14 @@ class Store:
         head = 0
         inline = self.inline or self._append_inline
         try:
+            vault = self.vault
+            if vault is not None:
+                # The group's keys are made durable (and their ciphers built) before its
+                # write transaction, off the event loop: the key store's write and fsync
+                # never hold the ledger's write lock (`Vault.reserve`).
+                need = sum(1 for r in group for e in r.events if e.type in SEALED_TYPES)
+                if need and not vault.ready(need):
+                    await asyncio.to_thread(vault.reserve, need)
             if inline is not None:
                 head, outcomes = await inline.run(lambda conn: Appender(self, conn).run(group))
             else:

@@ -21,7 +21,9 @@ with the event but not synced could be lost while the event survives). Rather th
 one key-store fsync per group commit, the vault provisions keys ahead, in pools
 (`KeyStore.provision_pool`: N random 128-bit ids, one write and one fsync, or one
 INSERT of N rows; 64 keys first, doubling up to `POOL_MAX`), and each content event
-takes a fresh one (`Vault.take`). The id of the key an event used is the one in its
+takes a fresh one (`Vault.take`); the append path fills the pool before a group's
+write transaction (`Vault.reserve`), so its write and fsync never hold the ledger's
+write lock. The id of the key an event used is the one in its
 sealed header (`sealed_key_id`), durable with the event itself: projections read it
 with the payload (`keyed`, `StoredEvent.key_id`) and seal the view copies under the
 same key; a forget finds the covered events by the forget rule in SQL over the
@@ -887,7 +889,65 @@ class FileKeyStore(KeyStore):
             self._open_fd(create=True)
 
     def get(self, kid: str) -> bytes | None:
-        return self.load([kid]).get(kid)
+        """`load([kid])` for one id (a reader's first open of a value: `Vault.open`),
+        each candidate record read once: the same answer, fences and other processes'
+        appends counted alike."""
+        with self._lock:
+            key = self._cached(kid)
+            if key is not None:
+                return key
+            if self._fd is None:
+                self._refresh()
+            rid = bytes.fromhex(kid)
+            found, key = self._one(kid, rid)
+            if not found:
+                seen = (self._ino, self._n)
+                self._refresh()  # appended (or rewritten) by another process since?
+                if (self._ino, self._n) != seen:
+                    key = self._one(kid, rid)[1]
+            return key
+
+    def _one(self, kid: str, rid: bytes) -> tuple[bool, bytes | None]:
+        """(caller holds `_lock`) Whether the file holds a key or a fence of `rid`, and
+        the unwrapped key (None if absent or fenced), read as `_states` reads it."""
+        n = self._n
+        if not n:
+            return False, None
+        hit: list[int]
+        if self._scans >= _SCANS or self._order is not None:
+            if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
+                return self._fallback(kid)
+            hit = self._seek([int.from_bytes(rid[:8], "big", signed=True)], n)[0]
+        else:
+            return self._fallback(kid)
+        key_rec: int | None = None
+        body = b""
+        fenced = False
+        for i in hit:
+            tag, got, content = self._record(i)
+            if got != rid:
+                continue
+            if tag == b"K":
+                key_rec, body = i, content
+            elif tag in (b"F", b"X"):
+                fenced = True
+        if fenced:
+            return True, None
+        if key_rec is None:
+            return False, None
+        key = self.wrapper.unwrap(kid, body)
+        self._plain[kid] = (key_rec, key)
+        return True, key
+
+    def _fallback(self, kid: str) -> tuple[bool, bytes | None]:
+        """`_one` where the sorted index is not built (or due to be rebuilt): by
+        `_states`, which builds it when due."""
+        (rec, fenced), = self._states([kid])
+        if fenced:
+            return True, None
+        if rec is None:
+            return False, None
+        return True, self._unwrapped(kid, rec)
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         with self._lock:
@@ -1314,9 +1374,11 @@ class Vault:
         # when the key is destroyed; bounded, oldest first, so a long-running process
         # does not keep one per event it ever saw.
         self._cache: dict[str, tuple[AESGCM, bytes]] = {}
-        # The key pool: ids of durable keys that have sealed nothing yet, newest last.
+        # The key pool: ids of durable keys that have sealed nothing yet, newest last,
+        # with their ciphers built when the pool was filled (`reserve`), so a take
+        # under the write lock builds nothing.
         self._pool: list[str] = []
-        self._pool_keys: dict[str, bytes] = {}
+        self._pool_keys: dict[str, tuple[AESGCM, bytes]] = {}
         self._pool_next = POOL_FIRST
         self._pool_lock = threading.Lock()
         _PER_PROCESS.add(self)
@@ -1330,12 +1392,16 @@ class Vault:
         self._pool, self._pool_keys = [], {}
         self._pool_next = POOL_FIRST
 
-    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+    def _evict(self) -> None:
+        """Drop the older half of the cipher cache."""
         cache = self._cache
-        if len(cache) >= CIPHER_CACHE:
-            for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
-                del cache[k]
-        entry = cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        for k in list(itertools.islice(cache, CIPHER_CACHE // 2)):
+            del cache[k]
+
+    def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+        if len(self._cache) >= CIPHER_CACHE:
+            self._evict()
+        entry = self._cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
         return entry
 
     def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
@@ -1346,22 +1412,45 @@ class Vault:
                 entry = self._put(kid, raw)
         return entry
 
+    def ready(self, n: int) -> bool:
+        """Does the pool hold `n` keys already (a `take(n)` would write nothing)?"""
+        return len(self._pool) >= n
+
+    def reserve(self, n: int) -> None:
+        """Fill the pool until it holds at least `n` keys: the key store's durable write
+        (one write and one fsync, or one INSERT) and the ciphers of the new keys. The
+        append path calls it before its write transaction (`Store._commit_group`), so
+        neither runs under the ledger's write lock; `take` still refills by itself when
+        nobody reserved."""
+        with self._pool_lock:
+            self._fill(n)
+
+    def _fill(self, n: int) -> None:
+        """(`_pool_lock` held.) Provision pools until the pool holds `n` keys."""
+        pool = self._pool
+        while len(pool) < n:
+            size = max(self._pool_next, n - len(pool))
+            self._pool_next = min(self._pool_next * 2, POOL_MAX)
+            got = self.keys.provision_pool(size)
+            # Keys enter the pool only once `provision_pool` returned: durable.
+            self._pool_keys.update(
+                (k, (AESGCM(raw), MAGIC + bytes.fromhex(k))) for k, raw in got.items())
+            pool[:0] = list(got)  # taken from the end: what was left goes first
+
     def take(self, n: int) -> list[str]:
         """`n` fresh key ids from the pool, each durable in the key store already and
         never handed out again (refilled, one durable write, when it runs short)."""
         with self._pool_lock:
             pool = self._pool
-            while len(pool) < n:
-                size = max(self._pool_next, n - len(pool))
-                self._pool_next = min(self._pool_next * 2, POOL_MAX)
-                got = self.keys.provision_pool(size)
-                self._pool_keys.update(got)
-                pool[:0] = list(got)  # taken from the end: what was left goes first
+            if len(pool) < n:
+                self._fill(n)
             out = pool[len(pool) - n:]
             del pool[len(pool) - n:]
-            keys = self._pool_keys
+            keys, cache = self._pool_keys, self._cache
+            while cache and len(cache) + n > CIPHER_CACHE:
+                self._evict()
             for k in out:
-                self._put(k, keys.pop(k))
+                cache[k] = keys.pop(k)
             return out
 
     def seal_rows(self, rows: Sequence[dict[str, Any]]) -> None:

@@ -86,6 +86,17 @@ class Projector:
         self.others = [p for p in self.runner.projections if p.name not in urgent]
         #: The largest batch: the runner's own batch size (used as is when quiet).
         self.max_batch = self.runner.batch_size
+        #: Where the store's write transactions run inline (`Store.use_inline`, a SQLite
+        #: file) a batch is one fused round (`Runner.round`: one hand-off to the inline
+        #: thread, its statements on a plain `sqlite3` connection) instead of a step's
+        #: statements one by one through the async driver, so it holds the write lock
+        #: for less time: the urgent projections' runner, and one runner per other
+        #: projection that is not `sparse` (a sparse one's step reads only its own
+        #: events, `SPARSE_SPAN` batches wide, which a round of its batch would not).
+        self._urgent_runner = (Runner(store, self.urgent, batch_size=self.max_batch)
+                               if self.urgent else None)
+        self._solo = {p.name: Runner(store, [p], batch_size=self.max_batch)
+                      for p in self.others if not getattr(p, "sparse", False)}
         #: The head every projection had reached at the end of the last full pass.
         self.reached = 0
         #: The head the urgent projections had reached at the end of the last pass.
@@ -215,13 +226,12 @@ class Projector:
             goal = head if behind else target
             stepped = False
             before = moved
-            for proj in self.urgent:
-                if at[proj.name] < goal:
-                    moved += await self._step(proj, goal, None)
-                    stepped = True
+            if any(at[p.name] < goal for p in self.urgent):
+                moved += await self._step_urgent(at, goal)
+                stepped = True
             if behind:
                 # In order: a projection that reads other views runs behind them.
-                moved += await self._step(behind[0], target, SLICE_S)
+                moved += await self._step(behind[0], target, SLICE_S, at)
                 stepped = True
             if not stepped or moved == before:
                 # (No progress: the shards this process owns changed under the pass.)
@@ -239,16 +249,43 @@ class Projector:
             log.debug("projection_pass", head=head, moved=moved, full=full)
         return moved
 
-    async def _step(self, proj: Projection, upto: int, slice_s: float | None) -> int:
+    async def _step_urgent(self, at: dict[str, int], goal: int) -> int:
+        """One whole batch of the urgent projections towards `goal`; positions moved
+        (summed over them, as `_step` counts). In one fused round where the store's
+        write transactions run inline and this process steps every shard; else a step
+        of each."""
+        runner = self._urgent_runner
+        if runner is not None and self._inline():
+            low = min(at[p.name] for p in self.urgent)
+            end = await runner.round(min(goal, low + self.max_batch))
+            return sum(max(0, end - at[p.name]) for p in self.urgent if at[p.name] < end)
+        moved = 0
+        for proj in self.urgent:
+            if at[proj.name] < goal:
+                moved += await self._step(proj, goal, None)
+        return moved
+
+    def _inline(self) -> bool:
+        """Do batches go in fused rounds (`_urgent_runner`, `_solo`)?"""
+        return self.store.inline is not None and self.runner.owned is None
+
+    async def _step(self, proj: Projection, upto: int, slice_s: float | None,
+                    at: dict[str, int] | None = None) -> int:
         """One batch of one projection; while appends arrive, one of about `slice_s`
-        seconds (None: a whole batch)."""
+        seconds (None: a whole batch). With its checkpoint in `at`, in a fused round
+        where `_inline` says so (`_solo`)."""
         size = self.max_batch
         if slice_s is not None and self._active():
             cost = self._cost.get(proj.name)
             want = int(slice_s / cost) if cost else self.max_batch // 5
             size = min(self.max_batch, max(MIN_SLICE, want))
         started = time.monotonic()
-        n = await self.runner.step(proj, upto, size)
+        solo = self._solo.get(proj.name)
+        if solo is not None and at is not None and at[proj.name] > 0 and self._inline():
+            solo.batch_size = size
+            n = max(0, await solo.round(min(upto, at[proj.name] + size)) - at[proj.name])
+        else:
+            n = await self.runner.step(proj, upto, size)
         if n >= MIN_SLICE // 2:
             per = (time.monotonic() - started) / n
             old = self._cost.get(proj.name)

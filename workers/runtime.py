@@ -85,6 +85,10 @@ class Runtime:
         # Write transactions take turns with the other worker processes (SQLite).
         self.store = Store(settings.db_url, register_path=settings.register_path,
                            write_turns=True)
+        if settings.projects:
+            # A projecting process's fused rounds (the urgent views' batches,
+            # `Projector`) run on the inline thread, where its appends already run.
+            self.store.use_inline()
         self.append = AppendBatcher(self.store)
         self.projector = (Projector(self.store) if settings.projects
                           else None)

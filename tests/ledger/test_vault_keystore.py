@@ -96,6 +96,29 @@ def test_a_fence_written_by_another_process_is_seen(tmp_path: Path) -> None:
     b.close()
 
 
+def test_one_id_reads_see_fences_in_the_sorted_index_and_after_it(tmp_path: Path) -> None:
+    """`get` of one id (a reader's first open) answers as `load`: a fence the reader has
+    mapped whose key record is still in the file (a destroy cut short) makes the key
+    unreadable, whether the fence is in the reader's sorted index or in the records
+    appended after it, and a key another process provisioned since is found (a miss
+    reads the file's tail)."""
+    path = tmp_path / "k.vault"
+    a, b = FileKeyStore(path), FileKeyStore(path)
+    keys = a.provision_pool(200)
+    ids = sorted(keys)
+    a._fence([ids[60]])
+    assert b.load(ids[:50]) == {k: keys[k] for k in ids[:50]}  # b's index sorted
+    assert b.get(ids[60]) is None and b.load([ids[60]]) == {}
+    a._fence([ids[70]])
+    more = a.provision_pool(20)
+    new = sorted(more)[3]
+    assert b.get(new) == more[new]  # not in b's mapping yet: read from the tail
+    assert b.get(ids[70]) is None and b.load([ids[70]]) == {}
+    assert b.get(ids[61]) == keys[ids[61]]
+    a.close()
+    b.close()
+
+
 def test_a_crash_between_fence_and_overwrite_is_settled_at_the_next_open(
         tmp_path: Path) -> None:
     """A destroy cut short after its fence was durable but before the key's record was
@@ -225,7 +248,7 @@ def test_three_processes_agree_with_a_model(tmp_path_factory: pytest.TempPathFac
     after the fence, torn appends and restarts, through three store objects on one file
     (three processes): every store reads exactly the model's keys, reports exactly its
     fences, refuses a fenced id, and no destroyed key's bytes remain in the file once a
-    process has opened it since."""
+    process has opened it since; a read of one id (`get`) answers as `load` does."""
     path = tmp_path_factory.mktemp("ks") / "k.vault"
     stores = [FileKeyStore(path) for _ in range(3)]
     keys: dict[str, bytes] = {}
@@ -269,7 +292,14 @@ def test_three_processes_agree_with_a_model(tmp_path_factory: pytest.TempPathFac
             ks.close()
             stores[who] = FileKeyStore(path)
         for s in stores:
+            # One id at a time (`get`, a reader's first open), before anything else has
+            # read what the others appended: a key another process provisioned since is
+            # found (the look-up reads the file's tail on a miss).
+            for k in keys:
+                assert s.get(k) == keys[k]
             assert s.fenced(_IDS) == fences & set(_IDS)  # reads what others appended
+            for k in _IDS:
+                assert s.get(k) == keys.get(k)
             for k in fences:
                 assert s.get(k) is None
             assert s.load(keys) == keys

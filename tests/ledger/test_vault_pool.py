@@ -9,17 +9,20 @@ of its pool leaves every committed event readable.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ledger.vault as vault_mod
 from ledger.store import Store
 from ledger.validation import parse_event
 from ledger.vault import (
@@ -116,6 +119,53 @@ async def test_a_pool_is_fsynced_before_its_keys_seal_an_event(
     finally:
         await store.close()
 
+
+
+async def test_pools_are_provisioned_outside_the_write_transaction(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The append path fills the pool before a group's write transaction
+    (`Vault.reserve` from `Store._commit_group`, on a thread of the event loop's
+    executor): no key store write runs where a write transaction runs (the inline
+    thread on a SQLite file, the event loop's thread on PostgreSQL), the ciphers of a
+    pool are built with it, and every key still seals one event."""
+    store = Store(db_url, register_path=str(tmp_path / "f"),
+                  vault=_key_store(db_url, tmp_path))
+    assert store.vault is not None
+    vault = store.vault
+    threads: list[str] = []
+    real_pool = vault.keys.provision_pool
+
+    def provision_pool(n: int) -> dict[str, bytes]:
+        threads.append(threading.current_thread().name)
+        return real_pool(n)
+
+    built: list[str] = []
+    real_aesgcm = vault_mod.AESGCM
+
+    def aesgcm(key: bytes) -> Any:
+        built.append(threading.current_thread().name)
+        return real_aesgcm(key)
+
+    monkeypatch.setattr(vault.keys, "provision_pool", provision_pool)
+    monkeypatch.setattr(vault_mod, "AESGCM", aesgcm)
+    sizes = [1, 70, 3, 200, 1, 500, 64, 2]
+
+    async def caller(c: int) -> None:
+        for j, n in enumerate(sizes[c:] + sizes[:c]):
+            await store.append([parse_event(write(
+                f"c{c}-{j}-{i}", f"v{i}", idem=f"c{c}.{j}.{i}",
+                source=src(at=at(c * 100 + j)))) for i in range(n)])
+
+    try:
+        await asyncio.gather(*(caller(c) for c in range(3)))
+        main = threading.current_thread().name
+        assert threads, "no pool was provisioned"
+        for name in threads + built:
+            assert not name.startswith("memledger-views") and name != main, name
+        ids = await sealed_key_ids(store)
+        assert len(ids) == len(set(ids.values())) == 3 * sum(sizes)
+    finally:
+        await store.close()
 
 def _key_store(db_url: str, tmp_path: Path, schema: str = "memledger_vault") -> Any:
     if db_url.startswith("sqlite"):

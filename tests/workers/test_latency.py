@@ -8,6 +8,7 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -221,6 +222,58 @@ async def test_urgent_view_goes_before_every_batch_of_the_others(store: Store,
     await fresh.close()
     await proj.close()
 
+
+
+async def test_urgent_batches_are_fused_rounds_on_the_inline_thread(
+        sqlite_url: str, register_path: str, tmp_path: Path) -> None:
+    """Where the store's write transactions run inline (a projecting worker process,
+    `workers.runtime`), the urgent views' batches are fused rounds there, one
+    transaction each and no step of theirs, and so are the other projections' slices
+    but those of the sparse ones (which step); every view ends as a replay from
+    scratch makes it."""
+    store = Store(sqlite_url, register_path=register_path)
+    await store.open()
+    assert store.use_inline() and store.inline is not None
+    inline = store.inline
+    ran: list[str] = []
+    real_run = inline.run
+
+    async def run(body: Any) -> Any:
+        ran.append(threading.current_thread().name)
+        return await real_run(body)
+
+    inline.run = run  # type: ignore[method-assign]
+    try:
+        await store.append(events(10, "t"))
+        runner = _Recording(store, [], batch_size=15)
+        proj = Projector(store, runner, min_interval=0, catch_up_interval=3600)
+        await proj.request()
+        assert set((await positions(store)).values()) == {10}
+        await store.append(events(40, "u"))
+        runner.calls.clear()
+        ran.clear()
+        proj._active_at = float("inf")  # appends arriving: the others wait their turn
+        await proj.run_pass(full=False)
+        pos = await positions(store)
+        assert all(pos[n] == 50 for n in URGENT)
+        assert all(pos[n] == 10 for n in pos if n not in URGENT)
+        assert not runner.calls  # no step: the urgent views went in rounds
+        assert len(ran) == 3  # 40 positions in batches of 15: three transactions
+        await store.append(events(8, "v"))
+        runner.calls.clear()
+        await proj.request()  # a full pass: the others step, the urgent view first
+        assert set((await positions(store)).values()) == {58}
+        # Only the sparse projections step (their step reads their own events only);
+        # the others went in rounds of their own.
+        sparse = {p.name for p in runner.projections if getattr(p, "sparse", False)}
+        assert sparse and {name for name, _ in runner.calls} == sparse
+        fresh = await fresh_replay(store, tmp_path)
+        assert await dump_views(store, t.VIEW_TABLES) == \
+            await dump_views(fresh, t.VIEW_TABLES)
+        await fresh.close()
+        await proj.close()
+    finally:
+        await store.close()
 
 # -- broadcast wake-ups -------------------------------------------------------------------
 
