@@ -42,19 +42,32 @@ PAD_ROWS = 120_000
 SCAN_LIMIT_ROWS = 1000
 #: The tables grown for EXPLAIN: the ledger's and the views' (not configuration).
 PADDED = (t.events, t.tombstones, t.task_owners, t.mem_versions, t.mem_marks, t.task_notes,
-          t.tasks_view, t.vectors, t.recall_audit_items, t.mem_history)
+          t.tasks_view, t.vectors, t.recall_audit_items, t.mem_history, t.lexical_docs)
 _VERBS = ("SELECT", "DELETE", "UPDATE", "WITH", "INSERT INTO MEM_VERSIONS (TENANT")
 
 
+def _weight(params: Any) -> int:
+    """How many values a parameter set carries (arrays counted by their length)."""
+    values = params.values() if isinstance(params, dict) else params or ()
+    return sum(len(v) if isinstance(v, list | tuple) else 1 for v in values)
+
+
+def _keep(seen: dict[str, Any], statement: str, params: Any) -> None:
+    """Keep, per statement, its parameters with the most values: a batch's look-up of
+    hundreds of keys plans differently from a probe's look-up of one."""
+    if statement not in seen or _weight(params) >= _weight(seen[statement]):
+        seen[statement] = params
+
+
 def _collect(ml: MemoryLedger, seen: dict[str, Any]) -> Any:
-    """Record each statement the ledger's engine sends (its latest parameters)."""
+    """Record each statement the ledger's engine sends (`_keep`)."""
 
     def before(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any,
                executemany: bool) -> None:
         head = statement.lstrip().upper()
         if executemany or not head.startswith(_VERBS) or "PG_CLASS" in head:
             return
-        seen[statement] = params
+        _keep(seen, statement, params)
 
     event.listen(ml.store.engine.sync_engine, "before_cursor_execute", before)
     return before
@@ -68,7 +81,7 @@ def _collect_driver(ml: MemoryLedger, seen: dict[str, Any]) -> None:
     inner = reader.rows
 
     async def rows(sql: str, params: Any) -> Any:
-        seen[sql] = tuple(params)
+        _keep(seen, sql, tuple(params))
         return await inner(sql, params)
 
     reader.rows = rows  # type: ignore[method-assign]
@@ -87,7 +100,7 @@ class _Recording:
 
     def _note(self, sql: str, args: tuple[Any, ...]) -> None:
         if sql.lstrip().upper().startswith((*_VERBS, "INSERT")):
-            self._seen[sql] = args
+            _keep(self._seen, sql, args)
 
     async def execute(self, sql: str, *args: Any) -> Any:
         self._note(sql, args)
@@ -181,7 +194,8 @@ async def _pad(conn: AsyncConnection) -> None:
         cols = [c.name for c in table.c]
         exprs = [f"{c} || '~' || g" if c in ("tenant", "audit_id") else
                  "md5(slot || '~' || g)" if c == "slot" else
-                 f"position + g::bigint * {10**9}" if c == "position" else c for c in cols]
+                 f"position + g::bigint * {10**9}" if c == "position" else
+                 "docid # (g::bigint << 48)" if c == "docid" else c for c in cols]
         await conn.exec_driver_sql(
             f"INSERT INTO {table.name} ({', '.join(cols)}) SELECT {', '.join(exprs)} "
             f"FROM {table.name}, generate_series(1, {-(-PAD_ROWS // n)}) AS g")
