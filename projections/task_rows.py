@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, select, update
+from sqlalchemy import BigInteger, all_, bindparam, delete, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -25,17 +26,29 @@ from projections.tasks import Note, note_body, summarize
 
 
 async def summarize_tasks(store: Store, conn: AsyncConnection,
-                          keys: Sequence[tuple[str, str]], upto: int) -> None:
+                          keys: Sequence[tuple[str, str]], upto: int,
+                          batch: Sequence[StoredEvent] = ()) -> None:
     """Recompute the `tasks_view` rows of these (tenant, task key)s from their notes.
 
     `task_notes` must hold every note up to `upto`; covered note bodies are erased.
+    `batch`: task events just stored as notes (`note_row`). On PostgreSQL their notes
+    are taken from the events rather than read back (a note is its event's
+    `note_body`), and the notes read are the others (`position <> ALL(...)`, one
+    array); elsewhere every note is read, as before.
     """
     tn, tv = t.task_notes.c, t.tasks_view.c
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
+    outside: list[Any] = []
+    if batch and conn.dialect.name == "postgresql":
+        for se in batch:
+            by_task[(se.tenant, str(se.task_key))].append(note_of(se))
+        outside.append(tn.position != all_(bindparam(
+            None, [se.position for se in batch], type_=ARRAY(BigInteger))))
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
     for chunk in batches(conn, keys):
-        q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk))
+        q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk),
+                                       *outside)
         for r in (await conn.execute(q)).all():
             body = _dec(r.body)
             by_task[(r.tenant, r.task_key)].append(
@@ -85,6 +98,12 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
         await conn.execute(delete(t.tasks_view).where(
             pairs_of(conn, tv.tenant, tv.task_key, chunk)))
     await insert_rows(store, conn, t.tasks_view, rows)
+
+
+def note_of(se: StoredEvent) -> Note:
+    """The note of a task event, as `summarize_tasks` reads it from its `note_row`."""
+    return Note(se.position, se.tenant, str(se.task_key), se.type, bytes(se.order_key),
+                note_body(se))
 
 
 def note_row(se: StoredEvent) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class TaskProjection:
                 q = select(tv.tenant, tv.task_key).where(covers_sql(ts, tv, order_key=None))
                 affected.update((r[0], r[1]) for r in (await conn.execute(q)).all())
         if affected:
-            await summarize_tasks(store, conn, sorted(affected), upto)
+            await summarize_tasks(store, conn, sorted(affected), upto, notes)
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:
