@@ -27,23 +27,23 @@ from projections.tasks import Note, note_body, summarize
 
 async def summarize_tasks(store: Store, conn: AsyncConnection,
                           keys: Sequence[tuple[str, str]], upto: int,
-                          batch: Sequence[StoredEvent] = ()) -> None:
+                          batch: Sequence[Note] = ()) -> None:
     """Recompute the `tasks_view` rows of these (tenant, task key)s from their notes.
 
     `task_notes` must hold every note up to `upto`; covered note bodies are erased.
-    `batch`: task events just stored as notes (`note_row`). On PostgreSQL their notes
-    are taken from the events rather than read back (a note is its event's
-    `note_body`), and the notes read are the others (`position <> ALL(...)`, one
-    array); elsewhere every note is read, as before.
+    `batch`: the notes of task events just stored (`note_of`, `note_row`). On
+    PostgreSQL they are used as they are rather than read back, and the notes read are
+    the others (`position <> ALL(...)`, one array); elsewhere every note is read, as
+    before.
     """
     tn, tv = t.task_notes.c, t.tasks_view.c
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
     outside: list[Any] = []
     if batch and conn.dialect.name == "postgresql":
-        for se in batch:
-            by_task[(se.tenant, str(se.task_key))].append(note_of(se))
+        for note in batch:
+            by_task[(note.tenant, note.task_key)].append(note)
         outside.append(tn.position != all_(bindparam(
-            None, [se.position for se in batch], type_=ARRAY(BigInteger))))
+            None, [note.position for note in batch], type_=ARRAY(BigInteger))))
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
     for chunk in batches(conn, keys):
@@ -106,12 +106,13 @@ def note_of(se: StoredEvent) -> Note:
                 note_body(se))
 
 
-def note_row(se: StoredEvent) -> dict[str, Any]:
-    """The `task_notes` row of a task event."""
+def note_row(se: StoredEvent, note: Note | None = None) -> dict[str, Any]:
+    """The `task_notes` row of a task event (`note`: its `note_of`, if built)."""
+    body = note_body(se) if note is None else note.body
     return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
             "type": se.type, "order_key": se.order_key,
             # The body carries its event's key id: the view seals it (ledger.vault).
-            "body": subject(_enc(note_body(se)), se.key_id or "")}
+            "body": subject(_enc(body), se.key_id or "")}
 
 
 def _enc(obj: Any) -> bytes | None:
