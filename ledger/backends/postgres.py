@@ -196,9 +196,9 @@ _CONNECTION_LOST: Final = (asyncpg.PostgresConnectionError,
                            asyncpg.exceptions.OperatorInterventionError,
                            asyncpg.InterfaceError, asyncpg.exceptions.InternalClientError,
                            OSError)
-#: Settings of every memledger session (the pool's and `DriverReads`').
 #: `random_page_cost` of memledger's sessions (`SERVER_SETTINGS`).
 RANDOM_PAGE_COST: Final = "1.1"
+#: Settings of every memledger session (the pool's and `DriverReads`').
 SERVER_SETTINGS: Final = {
     # A stuck session must not pin the projections behind its snapshot.
     "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS),
@@ -207,7 +207,7 @@ SERVER_SETTINGS: Final = {
     # spinning disk's). A batch looks up hundreds of keys; at the default, hashing a
     # whole view looked cheaper than that many index probes until the view held
     # several hundred thousand rows, so each batch read the whole view (a cost growing
-    # with the ledger: docs/operations.md, "Projections on PostgreSQL"). 1.1, the usual
+    # with the ledger: docs/operations.md, "PostgreSQL: planner statistics"). 1.1, the usual
     # value for SSDs and for data in memory, keeps those look-ups on their indexes.
     "random_page_cost": RANDOM_PAGE_COST,
 }
