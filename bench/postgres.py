@@ -21,7 +21,8 @@ run, into copies of the tables holding the rows they held before the step
   wrote (target >= 0.5x);
 - projection, each view: `Runner` with that projection alone (in the registry's order)
   vs raw writing the rows the view gained (target >= 0.5x), and the events/s of the
-  second round against the first (target: within 15%, i.e. linear);
+  second round against the first (target: within 15%, i.e. linear); each line also
+  says how many ANALYZEs ran during that catch-up (a count the load does not move);
 - get p99: `Principal.get` of random active keys vs a prepared asyncpg SELECT by
   primary key (target: within 3x);
 - recall p99: `Principal.recall` (a query, warm principals) vs asyncpg reading the
@@ -29,7 +30,8 @@ run, into copies of the tables holding the rows they held before the step
 - on fresh databases: 64 tasks calling `Store.append_one` vs raw one row per commit,
   and the CLI pair (`memledger append FILE` of 10k events then `memledger project`,
   two processes) vs raw parsing the same lines and writing the event rows and active
-  rows (target >= 0.5x).
+  rows (target >= 0.5x); its note splits the pair's seconds (each process, a third
+  `project` with nothing to do, and the interpreter with `memledger`'s imports alone).
 """
 
 from __future__ import annotations
@@ -160,13 +162,26 @@ async def append_batched(store: Store, events: Sequence[Event]) -> float:
     return c.seconds
 
 
-async def project_each(store: Store) -> dict[str, float]:
-    """Seconds each projection takes to catch up alone, in the registry's order."""
-    out: dict[str, float] = {}
+async def analyses(dsn: str) -> int:
+    """ANALYZEs the server has run on this database's tables (manual and automatic;
+    counted at once, unlike the scan counters, which reach the server later)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT COALESCE(sum(analyze_count + "
+                                       "autoanalyze_count), 0) FROM pg_stat_user_tables"))
+    finally:
+        await conn.close()
+
+
+async def project_each(store: Store, dsn: str) -> dict[str, tuple[float, int]]:
+    """Seconds each projection takes to catch up alone, in the registry's order, and
+    the ANALYZEs run meanwhile (a figure the load does not move)."""
+    out: dict[str, tuple[float, int]] = {}
     for proj in default_projections():
+        before = await analyses(dsn)
         with Clock() as c:
             await Runner(store, [proj]).catch_up()
-        out[proj.name] = c.seconds
+        out[proj.name] = (c.seconds, await analyses(dsn) - before)
     return out
 
 
@@ -342,20 +357,22 @@ async def one_size(ml: MemoryLedger, dsn: str, events: Sequence[Event], k: str,
                       "table (same size, keys, indexes); target >= 0.5x"))
     say(f"postgres {k}: projections")
     await snapshot(dsn, [tb for tables in VIEW_ROWS.values() for tb in tables])
-    each = await project_each(ml.store)
-    total = sum(each.values())
-    for name, secs in each.items():
+    each = await project_each(ml.store, dsn)
+    total = sum(secs for secs, _ in each.values())
+    for name, (secs, analyzed) in each.items():
         rates.setdefault(name, {})[k] = n / secs
         tables = VIEW_ROWS.get(name)
         if tables is None:
             out.append(result(f"pg projection {name} ({k})", n / secs,
-                              "events/s", None, note="view rows not compared"))
+                              "events/s", None, note=f"{analyzed} ANALYZE; view rows "
+                              "not compared"))
             continue
         raw, count = await raw_added(dsn, tables)
         out.append(result(
             f"pg projection {name} ({k})", n / secs, "events/s", n / raw,
-            "events/s", f"raw: asyncpg writing the {count:,} view rows it added into "
-            "copies of its tables (same size, keys, indexes); target >= 0.5x"))
+            "events/s", f"{analyzed} ANALYZE; raw: asyncpg writing the {count:,} view "
+            "rows it added into copies of its tables (same size, keys, indexes); "
+            "target >= 0.5x"))
     rates.setdefault("all views", {})[k] = n / total
     say(f"postgres {k}: get and recall")
     rng = random.Random(7)
@@ -435,6 +452,11 @@ async def cli_pair(n: int, d: Path) -> dict[str, Any]:
         env = {**os.environ, "MEMLEDGER_DB_URL": sa_url(dsn),
                "MEMLEDGER_FORGET_REGISTER": str(d / "cli.forgets")}
         each: list[float] = []
+        with Clock() as imports:  # the interpreter and `memledger`'s imports alone
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", "import memledger.cli.app, memledger.cli.operator",
+                env=env)
+            assert await proc.wait() == 0
         for args in (["append", str(path)], ["project"], ["project"]):
             with Clock() as one:
                 proc = await asyncio.create_subprocess_exec(
@@ -465,7 +487,8 @@ async def cli_pair(n: int, d: Path) -> dict[str, Any]:
     return result(f"pg CLI append + project ({n // 1000}k events, every view)",
                   n / pair, "events/s", n / r.seconds, "events/s",
                   f"two processes: append {each[0]:.2f} s, project {each[1]:.2f} s; "
-                  f"a project with nothing to do (start-up and open) {each[2]:.2f} s; "
+                  f"a project with nothing to do (start-up and open) {each[2]:.2f} s, "
+                  f"of which the interpreter and imports {imports.seconds:.2f} s; "
                   f"raw {r.seconds:.2f} s: asyncpg parsing the lines and writing event "
                   "and active rows, 1,000/commit; target >= 0.5x")
 

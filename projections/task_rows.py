@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, select, update
+from sqlalchemy import BigInteger, all_, bindparam, delete, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -25,17 +26,29 @@ from projections.tasks import Note, note_body, summarize
 
 
 async def summarize_tasks(store: Store, conn: AsyncConnection,
-                          keys: Sequence[tuple[str, str]], upto: int) -> None:
+                          keys: Sequence[tuple[str, str]], upto: int,
+                          batch: Sequence[Note] = ()) -> None:
     """Recompute the `tasks_view` rows of these (tenant, task key)s from their notes.
 
     `task_notes` must hold every note up to `upto`; covered note bodies are erased.
+    `batch`: the notes of task events just stored (`note_of`, `note_row`). On
+    PostgreSQL they are used as they are rather than read back, and the notes read are
+    the others (`position <> ALL(...)`, one array); elsewhere every note is read, as
+    before.
     """
     tn, tv = t.task_notes.c, t.tasks_view.c
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
+    outside: list[Any] = []
+    if batch and conn.dialect.name == "postgresql":
+        for note in batch:
+            by_task[(note.tenant, note.task_key)].append(note)
+        outside.append(tn.position != all_(bindparam(
+            None, [note.position for note in batch], type_=ARRAY(BigInteger))))
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
     for chunk in batches(conn, keys):
-        q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk))
+        q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk),
+                                       *outside)
         for r in (await conn.execute(q)).all():
             body = _dec(r.body)
             by_task[(r.tenant, r.task_key)].append(
@@ -87,12 +100,19 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
     await insert_rows(store, conn, t.tasks_view, rows)
 
 
-def note_row(se: StoredEvent) -> dict[str, Any]:
-    """The `task_notes` row of a task event."""
+def note_of(se: StoredEvent) -> Note:
+    """The note of a task event, as `summarize_tasks` reads it from its `note_row`."""
+    return Note(se.position, se.tenant, str(se.task_key), se.type, bytes(se.order_key),
+                note_body(se))
+
+
+def note_row(se: StoredEvent, note: Note | None = None) -> dict[str, Any]:
+    """The `task_notes` row of a task event (`note`: its `note_of`, if built)."""
+    body = note_body(se) if note is None else note.body
     return {"position": se.position, "tenant": se.tenant, "task_key": se.task_key,
             "type": se.type, "order_key": se.order_key,
             # The body carries its event's key id: the view seals it (ledger.vault).
-            "body": subject(_enc(note_body(se)), se.key_id or "")}
+            "body": subject(_enc(body), se.key_id or "")}
 
 
 def _enc(obj: Any) -> bytes | None:

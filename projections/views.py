@@ -22,7 +22,7 @@ from projections.memory import WriteFact, fact_from_row, marks_of, view_columns,
 from projections.protocol import State
 from projections.slots import covered_slots, mark_row, resolve_slots
 from projections.sql import batches, in_list, insert_rows, pairs_of, prepared
-from projections.task_rows import note_row, summarize_tasks
+from projections.task_rows import note_of, note_row, summarize_tasks
 
 FORGETS = ("memory.forgotten", "task.purged")
 
@@ -116,11 +116,12 @@ class TaskProjection:
                     batch: Sequence[StoredEvent]) -> None:
         """Store the batch's notes and re-summarise every task it touches or forgets."""
         tv = t.tasks_view.c
-        notes = [se for se in batch if se.type in TASK_TYPES and se.task_key]
-        affected: set[tuple[str, str]] = {(se.tenant, str(se.task_key)) for se in notes}
-        if notes:
-            await insert_rows(store, conn, t.task_notes, [note_row(se) for se in notes],
-                              ignore=True)
+        events = [se for se in batch if se.type in TASK_TYPES and se.task_key]
+        affected: set[tuple[str, str]] = {(se.tenant, str(se.task_key)) for se in events}
+        notes = [note_of(se) for se in events]
+        if events:
+            await insert_rows(store, conn, t.task_notes, [
+                note_row(se, n) for se, n in zip(events, notes, strict=True)], ignore=True)
         upto = batch[-1].position
         for se in batch:
             ts = tombstone_of(se.event, se.position) if se.event is not None else None
@@ -129,7 +130,7 @@ class TaskProjection:
                 q = select(tv.tenant, tv.task_key).where(covers_sql(ts, tv, order_key=None))
                 affected.update((r[0], r[1]) for r in (await conn.execute(q)).all())
         if affected:
-            await summarize_tasks(store, conn, sorted(affected), upto)
+            await summarize_tasks(store, conn, sorted(affected), upto, notes)
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: State,
                         size: int) -> tuple[State | None, int]:

@@ -196,11 +196,20 @@ _CONNECTION_LOST: Final = (asyncpg.PostgresConnectionError,
                            asyncpg.exceptions.OperatorInterventionError,
                            asyncpg.InterfaceError, asyncpg.exceptions.InternalClientError,
                            OSError)
+#: `random_page_cost` of memledger's sessions (`SERVER_SETTINGS`).
+RANDOM_PAGE_COST: Final = "1.1"
 #: Settings of every memledger session (the pool's and `DriverReads`').
 SERVER_SETTINGS: Final = {
     # A stuck session must not pin the projections behind its snapshot.
     "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS),
     "application_name": "memledger",
+    # The planner's price of a random page read against a sequential one (default 4, a
+    # spinning disk's). A batch looks up hundreds of keys; at the default, hashing a
+    # whole view looked cheaper than that many index probes until the view held
+    # several hundred thousand rows, so each batch read the whole view (a cost growing
+    # with the ledger: docs/operations.md, "PostgreSQL: planner statistics"). 1.1, the usual
+    # value for SSDs and for data in memory, keeps those look-ups on their indexes.
+    "random_page_cost": RANDOM_PAGE_COST,
 }
 
 
@@ -328,6 +337,10 @@ class PostgresRecorder(Recorder):
         #: held then (read from `pg_class` the first time a table is counted).
         self._grown: dict[str, int] = {}
         self._analyzed_rows: dict[str, float] = {}
+        #: Per table: the server's count of ANALYZEs of it (manual and automatic) when
+        #: this recorder last read its size: a change means another process gathered
+        #: its statistics since (`note_growth`).
+        self._analyses: dict[str, int] = {}
         self._driver_reads = DriverReads(self._driver_connect, pool_size)
 
     async def insert_events(self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
@@ -614,6 +627,15 @@ class PostgresRecorder(Recorder):
                 if unknown:
                     await self._read_reltuples(conn, unknown)
                 due = self._due(names)
+                known = [n for n in due if n not in unknown]
+                if known:
+                    # Due by this process's count; but another process (a runner of
+                    # other shards, a bulk load, autovacuum, an operator) may have
+                    # gathered them since, on a table that grew without this process:
+                    # then the server's size and its rows changed since that ANALYZE
+                    # decide, and a refresh of a large table is not repeated for nothing.
+                    await self._read_reltuples(conn, known, adopt=True)
+                    due = self._due(names)
                 if not due:
                     return
                 # One round trip (a simple-protocol query string, which the server runs
@@ -638,13 +660,29 @@ class PostgresRecorder(Recorder):
         return [n for n in names if n in self._analyzed_rows and self._grown[n] >= max(
             STATS_MIN_ROWS, STATS_GROWTH * self._analyzed_rows[n])]
 
-    async def _read_reltuples(self, conn: AsyncConnection, names: list[str]) -> None:
-        q = text("SELECT relname, reltuples FROM pg_class WHERE relname = ANY(:names) "
-                 "AND relkind = 'r' AND pg_table_is_visible(oid)")
-        got = {r[0]: float(r[1]) for r in (await conn.execute(q, {"names": names})).all()}
+    async def _read_reltuples(self, conn: AsyncConnection, names: list[str], *,
+                              adopt: bool = False) -> None:
+        """Read the tables' sizes as of their last statistics (`pg_class.reltuples`)
+        and the server's count of their ANALYZEs. With `adopt`, only for a table whose
+        count moved since this recorder's last reading (another process analyzed it):
+        its size then, and as its growth the rows changed since that ANALYZE
+        (`n_mod_since_analyze`, which the server counts over every process)."""
+        q = text("SELECT c.relname, c.reltuples, COALESCE(s.analyze_count "
+                 "+ s.autoanalyze_count, 0), COALESCE(s.n_mod_since_analyze, 0) "
+                 "FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid "
+                 "WHERE c.relname = ANY(:names) AND c.relkind = 'r' "
+                 "AND pg_table_is_visible(c.oid)")
+        got = {r[0]: (float(r[1]), int(r[2]), int(r[3]))
+               for r in (await conn.execute(q, {"names": names})).all()}
         for name in names:
+            rows, analyses, changed = got.get(name, (0.0, 0, 0))
+            if adopt:
+                if analyses == self._analyses.get(name):
+                    continue  # nobody else has: this recorder's count stands
+                self._grown[name] = changed
+            self._analyses[name] = analyses
             # -1: never analyzed (PostgreSQL 14+); 0 before that.
-            self._analyzed_rows[name] = max(0.0, got.get(name, 0.0))
+            self._analyzed_rows[name] = max(0.0, rows)
 
     async def dead_row_counts(self, conn: AsyncConnection) -> dict[str, int]:
         q = text("SELECT relname, n_dead_tup FROM pg_stat_user_tables "

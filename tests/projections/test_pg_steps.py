@@ -183,3 +183,54 @@ async def test_slots_of_ids_read_what_pairs_in_reads(store: Store) -> None:
                 pairs_in(mv.tenant, mv.memory_id, sorted(pairs))))).all()} if pairs else set()
             assert await _slots_of_ids(conn, by_id, pairs) == want
     assert len({p[0] for p in every}) > 1 and one
+
+
+async def _analyses(dsn: str, table: str) -> int:
+    """The server's count of ANALYZEs of `table` (pg_stat_user_tables)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(
+            "SELECT analyze_count + autoanalyze_count FROM pg_stat_user_tables "
+            "WHERE relname = $1", table))
+    finally:
+        await conn.close()
+
+
+@pytest.mark.postgres
+async def test_statistics_refresh_skips_what_another_process_gathered(
+        pg_url: str, tmp_path: Path) -> None:
+    """A table this process counts as grown enough is not analyzed again when another
+    process (another runner, an operator, autovacuum) gathered its statistics since on
+    a table grown without this process: the server's size then decides. When nobody
+    else did, the refresh runs, as before."""
+    store = Store(pg_url, register_path=str(tmp_path / "f.forgets"), vault=False)
+    await store.open()
+    dsn = pg_url.replace("postgresql+asyncpg", "postgresql")
+    other = await asyncpg.connect(dsn)
+    try:
+        await other.execute("INSERT INTO meta (name, value) SELECT 'g' || i, 'v' "
+                            "FROM generate_series(1, 2000) AS i")
+        await store.recorder.note_growth(["meta"], 2000)  # first sight: analyzed now
+        assert 2000 <= await _reltuples(store, "meta") < 2100
+        before = await _analyses(dsn, "meta")
+        # Another process grows the table far past this one's count and analyzes it.
+        await other.execute("INSERT INTO meta (name, value) SELECT 'h' || i, 'v' "
+                            "FROM generate_series(1, 50000) AS i")
+        await other.execute("ANALYZE meta")
+        assert await _analyses(dsn, "meta") == before + 1
+        # This process writes 3,000 rows more: due by its own count (3,000 rows at
+        # 2,000), not by the server's (3,000 rows changed at 52,000).
+        await other.execute("INSERT INTO meta (name, value) SELECT 'k' || i, 'v' "
+                            "FROM generate_series(1, 3000) AS i")
+        await store.recorder.note_growth(["meta"], 3000)
+        assert await _analyses(dsn, "meta") == before + 1  # not analyzed again
+        assert 52000 <= await _reltuples(store, "meta") < 52100  # the other's
+        # Growth past the server's size (by this process's count from then on) is due.
+        await other.execute("INSERT INTO meta (name, value) SELECT 'm' || i, 'v' "
+                            "FROM generate_series(1, 60000) AS i")
+        await store.recorder.note_growth(["meta"], 60000)
+        assert await _analyses(dsn, "meta") == before + 2
+        assert await _reltuples(store, "meta") >= 100_000
+    finally:
+        await other.close()
+        await store.close()
