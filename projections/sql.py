@@ -713,7 +713,7 @@ class LexicalPostings:
     __slots__ = ("docids", "n_hit", "n_row", "n_token", "structure")
 
     def __init__(self, structure: bytes | None, n_row: int, n_token: int,
-                 docids: list[list[int]], n_hit: list[int]) -> None:
+                 docids: list[NDArray[np.int64]], n_hit: list[int]) -> None:
         #: FTS5's structure record: the key of the size cache.
         self.structure = structure
         #: FTS5's row count and token total over every column (its "averages" record).
@@ -773,6 +773,15 @@ def _sizes(store: Store, structure: bytes | None) -> _Sizes:
     return got
 
 
+def _rowid_list(text: str) -> NDArray[np.int64]:
+    """The row ids of a `group_concat(rowid)`, parsed by numpy (a twentieth of the time
+    of `int` per id in Python: 5,000 matches of a term took ~3 ms that way)."""
+    ids = np.fromstring(text, dtype=np.int64, sep=",")
+    if len(ids) != text.count(",") + 1:  # not a plain list of integers: parse it strictly
+        ids = np.asarray(list(map(int, text.split(","))), dtype=np.int64)
+    return ids
+
+
 async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
                            scope_term: str | None) -> LexicalPostings | None:
     """SQLite: FTS5's row count and token total (its "averages" record, what `bm25`
@@ -799,7 +808,7 @@ async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[
                 params.append(_phrase(None, x))
     rows = await read_sql(store, conn, " UNION ALL ".join(parts), params, beside=True)
     blocks: dict[int, bytes] = {}
-    docids: list[list[int]] = [[] for _ in terms]
+    docids: list[NDArray[np.int64]] = [np.zeros(0, dtype=np.int64) for _ in terms]
     counts: dict[int, int] = {}
     for a, b in rows:
         a = int(a)
@@ -808,7 +817,7 @@ async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[
                 blocks[-a] = bytes(b)
         elif a < len(terms):
             if b is not None:
-                docids[a] = list(map(int, str(b).split(",")))
+                docids[a] = _rowid_list(str(b))
         else:
             counts[a - len(terms)] = int(b)
     averages = _varints(blocks.get(1, b""))
