@@ -96,10 +96,16 @@ def _top(scores: NDArray[np.float32], k: int, floor: float,
         cand = np.concatenate([above, tied])
         sub = scores[cand]
     best = np.argsort(-sub, kind="stable")
-    if len(best) > 1 and (sub[best[1:]] == sub[best[:-1]]).any():
-        # Equal scores newest first (the lexsort's last key is its primary).
-        recency = np.empty(len(cand), dtype=np.int64)
-        recency[_newest_first(cand, orders)] = np.arange(len(cand))
+    same = sub[best[1:]] == sub[best[:-1]]
+    if same.any():
+        # Equal scores newest first (the lexsort's last key is its primary); only the
+        # rows sharing a score need their source order read.
+        tied_at = np.zeros(len(best), dtype=bool)
+        tied_at[1:] |= same
+        tied_at[:-1] |= same
+        pos = best[tied_at]
+        recency = np.zeros(len(cand), dtype=np.int64)
+        recency[pos[_newest_first(cand[pos], orders)]] = np.arange(len(pos))
         best = np.lexsort((recency, -sub))
     return cand[best].astype(np.int64)
 
