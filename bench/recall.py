@@ -261,11 +261,26 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
                       f"pipeline incl. re-check + audit write; raw: sqlite3 select + numpy "
                       f"top-5, no cache (its matrix product alone: "
                       f"{percentile(product, 50):.2f} ms)"))
+    # A query's first recall in this store reads its lexical matches' row sizes and
+    # term counts (cached per store while the index is unchanged): split out, so the
+    # two costs are seen apart (they are both in p99).
+    seen: set[str] = set()
+    firsts: list[bool] = []
+    for _, q in asks:
+        firsts.append(q not in seen)
+        seen.add(q)
+    first_ms = [w for w, f in zip(warm, firsts, strict=True) if f]
+    again_ms = [w for w, f in zip(warm, firsts, strict=True) if not f]
+    split = (f"; {len(first_ms)} of them a query's first in this store: p50 "
+             f"{percentile(first_ms, 50):.1f} / p99 {percentile(first_ms, 99):.1f} ms, the "
+             f"other {len(again_ms)}: p50 {percentile(again_ms, 50):.1f} / p99 "
+             f"{percentile(again_ms, 99):.1f} ms" if users == 1 and first_ms and again_ms
+             else "")
     out.append(result(f"recall p99, {n // 1000}k memories / {users:,} user(s)", p99, "ms",
                       percentile(raw, 99), "ms",
                       f"{len(warm):,} warm recalls{target}; CPU per recall p50 "
                       f"{percentile(warm_cpu, 50):.1f} ms, p99 "
-                      f"{percentile(warm_cpu, 99):.1f} ms; load average "
+                      f"{percentile(warm_cpu, 99):.1f} ms{split}; load average "
                       f"{load:.1f} on {os.cpu_count()} CPUs"))
     def cold_target(samples: list[float]) -> str:
         met = "met" if percentile(samples, 50) < 100 else "MISSED"

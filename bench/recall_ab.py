@@ -2,7 +2,7 @@
 two checkouts (or between the lexical arm's two rankings, `MEMLEDGER_LEXICAL_IN_PROCESS`).
 
     python -m bench.recall_ab build LEDGER          # 100k memories of one user (bench.recall)
-    python -m bench.recall_ab run LEDGER [N]        # N warm recalls, JSON on stdout
+    python -m bench.recall_ab run LEDGER [N] [inline]  # N warm recalls, JSON on stdout
 
 `run` opens the ledger, recalls once to map the principal's index (from the snapshot
 the build's projection wrote), then asks every fixture query once (timed apart as
@@ -10,7 +10,11 @@ the build's projection wrote), then asks every fixture query once (timed apart a
 to the index empties the caches of term counts and row sizes), then makes `N` recalls
 (default 500) with the fixture's queries drawn as `bench.recall` draws them, and prints
 the wall and CPU milliseconds of each. Run it alternately from each checkout against the same file,
-so both see the same load.
+so both see the same load. `inline`: the store's write transactions (the recall's audit)
+on its inline thread (`Store.use_inline`), as `MemoryLedger` opens a SQLite file; without
+it the audit goes through the async driver, as in `bench.recall`. The script only uses
+what both checkouts have, so `python bench/recall_ab.py` of one checkout can run with the
+other's code on the import path (`PYTHONPATH`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ async def build(path: Path) -> None:
     print(orjson.dumps({"built": str(path), "project_secs": secs}).decode())
 
 
-async def run(path: Path, n: int) -> None:
+async def run(path: Path, n: int, inline: bool = False) -> None:
     store = Store(sqlite_url(path))
     await store.open()
+    if inline:
+        store.use_inline()
     try:
         asks = br._asks(random.Random(1), n, 1)
         await recall(store, f"{br.TENANT}/u0", query="reply language", session=None,
@@ -68,4 +74,5 @@ if __name__ == "__main__":
     if what == "build":
         asyncio.run(build(where))
     else:
-        asyncio.run(run(where, int(sys.argv[3]) if len(sys.argv) > 3 else 500))
+        asyncio.run(run(where, int(sys.argv[3]) if len(sys.argv) > 3 else 500,
+                        "inline" in sys.argv[4:]))

@@ -385,11 +385,20 @@ async def scored_hits(store: Store, conn: AsyncConnection, scope: str, qt: Seque
                          post.n_token / post.n_row)
     order = np.lexsort((ids, -scores))[:page]
     page_ids = ids[order].tolist()
-    rows = await lexical_rows(store, conn, page_ids, tenant=who.tenant, prefix=who.prefix,
-                              task=task, session=session)
+    page_scores = scores[order].tolist()
     found: list[tuple[str, float]] = []
-    for d, s in zip(page_ids, scores[order].tolist(), strict=True):
-        got = rows.get(d)
-        if got is not None and got[1]:
-            found.append((got[0], s))
+    # The page's rows in two reads at most: its first k (where the principal holds the
+    # matches, as a scoped match or an unscoped one where it is most of the index
+    # ensure, they usually pass), then the rest only if fewer than k of those did.
+    start = 0
+    for end in (k, len(page_ids)):
+        if start >= end or len(found) >= k:
+            break
+        rows = await lexical_rows(store, conn, page_ids[start:end], tenant=who.tenant,
+                                  prefix=who.prefix, task=task, session=session)
+        for d, s in zip(page_ids[start:end], page_scores[start:end], strict=True):
+            got = rows.get(d)
+            if got is not None and got[1]:
+                found.append((got[0], s))
+        start = end
     return found[:k], len(ids) >= page

@@ -30,7 +30,12 @@ vectors, cached; `projections.principal_index` holds and scores them),
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any, cast
+
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger.store import Store
 from projections import reads
@@ -43,6 +48,74 @@ from projections.recall_audit import write_audit
 from projections.vectors import store_embedder
 
 
+class _ReadOnFirstUse:
+    """A read transaction (`Store.read`) begun when a statement first needs it.
+
+    On a SQLite file a warm recall reads everything on the calling thread
+    (`projections.sql.point_rows`: the positions, the re-check, the lexical match) and
+    never touches its read connection; beginning one anyway costs a check-out, a
+    `BEGIN` and a return through aiosqlite's thread (several thread hand-offs a recall,
+    each a wait for a CPU on a busy machine). The connection's methods recall's steps
+    use (`execute`, `exec_driver_sql`, `run_sync`, `dialect`) open it on first use, so
+    the paths that need it (an index to load or patch, writes the index lags behind,
+    open tasks to read, a point read SQLite could not run) get the same transaction
+    they had, begun later. Its statements were never one snapshot with the point reads
+    (each of those is a fresh autocommit read), so beginning it later changes nothing
+    they rely on: every one reads at least what the positions read first saw."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._cm: AbstractAsyncContextManager[AsyncConnection] | None = None
+        self._conn: AsyncConnection | None = None
+        self._lock = asyncio.Lock()
+        self.opened = False
+
+    async def _get(self) -> AsyncConnection:
+        if self._conn is None:
+            async with self._lock:  # the lexical arm runs beside the main flow
+                if self._conn is None:
+                    cm = self._store.read()
+                    conn = await cm.__aenter__()
+                    self._cm, self._conn, self.opened = cm, conn, True
+        return self._conn
+
+    @property
+    def dialect(self) -> Any:
+        """The engine's dialect (no connection needed)."""
+        return self._store.engine.dialect
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        """`AsyncConnection.execute` on the transaction, begun now if not yet."""
+        return await (await self._get()).execute(*args, **kwargs)
+
+    async def exec_driver_sql(self, *args: Any, **kwargs: Any) -> Any:
+        """`AsyncConnection.exec_driver_sql`, likewise."""
+        return await (await self._get()).exec_driver_sql(*args, **kwargs)
+
+    async def run_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """`AsyncConnection.run_sync`, likewise."""
+        return await (await self._get()).run_sync(*args, **kwargs)
+
+    async def __aenter__(self) -> AsyncConnection:
+        # Typed as the connection it stands for: recall's steps take an AsyncConnection
+        # and use only the methods above.
+        return cast(AsyncConnection, self)
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._cm is not None:
+            cm, self._cm, self._conn = self._cm, None, None
+            await cm.__aexit__(et, e, tb)
+
+
+def _read(store: Store) -> AbstractAsyncContextManager[AsyncConnection]:
+    """Recall's read transaction: begun on first use where point reads serve a warm
+    recall (SQLite files), else at once (`Store.read`)."""
+    if store.recorder.point_reads() is not None:
+        return _ReadOnFirstUse(store)
+    return store.read()
+
+
 async def recall(store: Store, principal: str, *, query: str | None, session: str | None,
                  task: str | None, budget: int | None, limit: int, now_us: int
                  ) -> dict[str, Any]:
@@ -52,7 +125,7 @@ async def recall(store: Store, principal: str, *, query: str | None, session: st
     emb = await store_embedder(store)  # the ledger's recorded embedder
     qtext = (query or "").strip() or None
     qvec = embed_queries(emb, [qtext])[0] if qtext else None
-    async with store.read() as conn:
+    async with _read(store) as conn:
         at = await read_positions(conn, who.tenant, store)
         idx = await principal_index(conn, store, who, emb, at)
         lag = await lagging_writes(conn, who, idx, at.head)

@@ -713,7 +713,7 @@ class LexicalPostings:
     __slots__ = ("docids", "n_hit", "n_row", "n_token", "structure")
 
     def __init__(self, structure: bytes | None, n_row: int, n_token: int,
-                 docids: list[list[int]], n_hit: list[int]) -> None:
+                 docids: list[NDArray[np.int64]], n_hit: list[int]) -> None:
         #: FTS5's structure record: the key of the size cache.
         self.structure = structure
         #: FTS5's row count and token total over every column (its "averages" record).
@@ -773,6 +773,15 @@ def _sizes(store: Store, structure: bytes | None) -> _Sizes:
     return got
 
 
+def _rowid_list(text: str) -> NDArray[np.int64]:
+    """The row ids of a `group_concat(rowid)`, parsed by numpy (a twentieth of the time
+    of `int` per id in Python: 5,000 matches of a term took ~3 ms that way)."""
+    ids = np.fromstring(text, dtype=np.int64, sep=",")
+    if len(ids) != text.count(",") + 1:  # not a plain list of integers: parse it strictly
+        ids = np.asarray(list(map(int, text.split(","))), dtype=np.int64)
+    return ids
+
+
 async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[str], *,
                            scope_term: str | None) -> LexicalPostings | None:
     """SQLite: FTS5's row count and token total (its "averages" record, what `bm25`
@@ -799,7 +808,7 @@ async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[
                 params.append(_phrase(None, x))
     rows = await read_sql(store, conn, " UNION ALL ".join(parts), params, beside=True)
     blocks: dict[int, bytes] = {}
-    docids: list[list[int]] = [[] for _ in terms]
+    docids: list[NDArray[np.int64]] = [np.zeros(0, dtype=np.int64) for _ in terms]
     counts: dict[int, int] = {}
     for a, b in rows:
         a = int(a)
@@ -808,7 +817,7 @@ async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[
                 blocks[-a] = bytes(b)
         elif a < len(terms):
             if b is not None:
-                docids[a] = list(map(int, str(b).split(",")))
+                docids[a] = _rowid_list(str(b))
         else:
             counts[a - len(terms)] = int(b)
     averages = _varints(blocks.get(1, b""))
@@ -850,21 +859,53 @@ async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.
         f"json_each(?)) UNION ALL SELECT -1, block FROM {fts}_data WHERE id = 10",
         [orjson.dumps(missing.tolist()).decode()])
     seen: bytes | None = None
-    fresh: dict[int, int] = {}
-    for d, sz in rows:
-        if int(d) == -1:
-            seen = bytes(sz) if sz is not None else None
-        else:
-            fresh[int(d)] = sum(_varints(bytes(sz)))
-    out[~hit] = [fresh.get(int(d), 0) for d in missing]
-    if seen == structure and fresh and len(ids) + len(fresh) <= SIZE_CACHE_ROWS:
-        new_ids = np.fromiter(fresh.keys(), dtype=np.int64, count=len(fresh))
-        new_sizes = np.fromiter(fresh.values(), dtype=np.float64, count=len(fresh))
-        all_ids = np.concatenate([ids, new_ids])
-        order = np.argsort(all_ids, kind="stable")
-        sizes.ids = all_ids[order]
-        sizes.sizes = np.concatenate([sizes.sizes, new_sizes])[order]
+    if rows and int(rows[-1][0]) == -1:  # the structure record comes last (UNION ALL)
+        last = rows[-1][1]
+        seen, rows = (bytes(last) if last is not None else None), rows[:-1]
+    else:
+        for d, sz in rows:
+            if int(d) == -1:
+                seen = bytes(sz) if sz is not None else None
+        rows = [r for r in rows if int(r[0]) != -1]
+    new_ids, new_sizes = _docsizes(rows)
+    if len(new_ids):
+        order = np.argsort(new_ids)
+        new_ids, new_sizes = new_ids[order], new_sizes[order]
+        j = np.minimum(np.searchsorted(new_ids, missing), len(new_ids) - 1)
+        out[~hit] = np.where(new_ids[j] == missing, new_sizes[j], 0.0)
+    else:
+        out[~hit] = 0.0
+    if seen == structure and len(new_ids) and len(ids) + len(new_ids) <= SIZE_CACHE_ROWS:
+        # Merged into the sorted cache in one pass (the new ids are not in it).
+        at = np.searchsorted(ids, new_ids)
+        sizes.ids = np.insert(ids, at, new_ids)
+        sizes.sizes = np.insert(sizes.sizes, at, new_sizes)
     return out
+
+
+def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """(row ids, sizes) of `lexical_fts_docsize` rows (id, sz): each `sz` is a SQLite
+    varint per column, and the row's size their sum. Where every byte is below 0x80
+    (a varint of one byte: columns under 128 tokens, the usual case) the sums are taken
+    by numpy; the rows with a longer varint are decoded one by one (`_varints`)."""
+    n = len(rows)
+    ids = np.fromiter((int(r[0]) for r in rows), dtype=np.int64, count=n)
+    blobs = [bytes(r[1]) for r in rows]
+    lens = np.fromiter(map(len, blobs), dtype=np.int64, count=n)
+    buf = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+    if not n or not len(buf):
+        return ids, np.zeros(n, dtype=np.float64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    nonempty = lens > 0
+    out = np.zeros(n, dtype=np.float64)
+    out[nonempty] = np.add.reduceat(buf.astype(np.int64), starts[nonempty])
+    if (buf >= 0x80).any():
+        long_rows = np.flatnonzero(np.add.reduceat((buf >= 0x80).astype(np.int64),
+                                                   starts[nonempty]) > 0)
+        rows_nonempty = np.flatnonzero(nonempty)
+        for i in rows_nonempty[long_rows]:
+            out[i] = sum(_varints(blobs[i]))
+    return ids, out
 
 
 #: Row sizes cached per store at most (8 bytes of id and one small int each, in lists).

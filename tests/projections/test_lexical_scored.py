@@ -16,7 +16,7 @@ from ledger import schema as t
 from ledger.store import Store
 from projections import lexical, reads
 from projections.lexical import docid, scope_term, search, terms
-from projections.sql import lexical_insert
+from projections.sql import _docsizes, _varints, lexical_insert
 
 SEP = lexical.SEP
 WORDS = ["kiwi", "mango", "refund", "earbud", "ticket", "python", "order", "reply",
@@ -161,3 +161,29 @@ async def test_long_entries_sizes_of_several_bytes(store: Store,
                                 monkeypatch=monkeypatch)
         assert mine == fts5
         assert mine
+
+
+def varint(n: int) -> bytes:
+    """A SQLite varint (big-endian groups of 7 bits, the high bit set on all but the
+    last; values below 2**56 here)."""
+    out = [n & 0x7F]
+    n >>= 7
+    while n:
+        out.append(0x80 | (n & 0x7F))
+        n >>= 7
+    return bytes(reversed(out))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-(2**40), 2**40),
+                          st.lists(st.one_of(st.integers(0, 127), st.integers(0, 2**20)),
+                                   min_size=0, max_size=3)), max_size=60))
+def test_docsize_decoding_sums_each_rows_varints(rows: list[tuple[int, list[int]]]) -> None:
+    """`_docsizes` (numpy where every varint is one byte) gives each row the sum of its
+    columns' sizes, as `_varints` decodes them one by one, for any mix of short and
+    long varints and empty size records."""
+    raw = [(d, b"".join(varint(x) for x in cols)) for d, cols in rows]
+    ids, sizes = _docsizes(raw)
+    assert ids.tolist() == [d for d, _ in rows]
+    assert sizes.tolist() == [float(sum(_varints(b))) for _, b in raw]
+    assert sizes.tolist() == [float(sum(cols)) for _, cols in rows]

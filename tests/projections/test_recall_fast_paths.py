@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event as sa_event
 from sqlalchemy import text
 
 from ledger.store import Store
@@ -30,6 +31,7 @@ from projections.candidates import SealedVersionRow, opened, recheck
 from projections.lexical import frequent_terms, search
 from projections.recall import recall
 from projections.runner import Runner
+from projections.views import MemoryProjection, TaskProjection
 from tests.factories import event, src, write
 
 U7 = reads.Principal("shop-a", "u7")
@@ -227,3 +229,29 @@ async def test_recall_lexical_beside_matches_sequential(store: Store, words: lis
         if "lexical" in item["reason"]:
             assert item["memory_id"] in lexical_ids
     assert all(m.startswith("M") for m in lexical_ids)  # u7's own memories only (R24)
+
+
+async def test_warm_recall_begins_its_read_only_when_needed(store: Store) -> None:
+    """On a SQLite file a warm recall reads on the calling thread only (positions,
+    re-check, lexical match): it begins no read transaction of the pool (each costs
+    thread hand-offs). A recall that needs one (a write the index has not caught up
+    with) begins it and still finds the write (R14). On PostgreSQL every recall reads
+    on its connection."""
+    await corpus(store, random.Random(5), 30, 5)
+    store.use_inline()  # the audit on the inline thread, as `MemoryLedger` opens files
+    begun: list[int] = []
+    sa_event.listen(store.engine.sync_engine, "begin", lambda conn: begun.append(1))
+    ask = {"session": None, "task": None, "budget": None, "limit": 5, "now_us": NOW}
+    first = await recall(store, "shop-a/u7", query="kiwi mango", **ask)
+    begun.clear()
+    again = await recall(store, "shop-a/u7", query="kiwi mango", **ask)
+    assert [i["memory_id"] for i in again["items"]] == [i["memory_id"] for i in first["items"]]
+    point = store.recorder.point_reads() is not None
+    assert not begun if point else begun  # PostgreSQL: the read, and the audit's write
+    # A write not projected yet: the index lags, the recall reads the ledger for it.
+    await append(store, write("fruit", "durian kiwi", memory_id="NEW", source=src(at=at(3))))
+    await Runner(store, [MemoryProjection(), TaskProjection()]).catch_up()
+    begun.clear()
+    lagging = await recall(store, "shop-a/u7", query="durian", **ask)
+    assert begun
+    assert "NEW" in [i["memory_id"] for i in lagging["items"]]
