@@ -35,7 +35,7 @@ from ledger import schema as t
 from ledger.records import StoredEvent
 from ledger.store import Store
 from projections import index_cache, quarantine, rounds, shards
-from projections.bulk import restore_shape
+from projections.bulk import clear_table, restore_shape
 from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
@@ -73,7 +73,7 @@ async def page_cache(conn: AsyncConnection, kib: int = STEP_PAGE_CACHE_KIB
     if conn.dialect.name != "sqlite":
         yield
         return
-    before = (await conn.exec_driver_sql("PRAGMA cache_size")).scalar()
+    before = (await conn.exec_driver_sql("PRAGMA cache_size")).scalar_one()
     await conn.exec_driver_sql(f"PRAGMA cache_size=-{int(kib)}")
     try:
         yield
@@ -357,7 +357,7 @@ class Runner:
         except Exception as e:
             if not is_poison(e):
                 raise
-            await _abandon_bulk_load(conn, proj.name, tables)
+            await _abandon_bulk_load(self.store, conn, proj.name, tables)
             log.warning("projection_bulk_load_abandoned", projection=proj.name,
                         phase=state.get("phase"), error=type(e).__name__,
                         message=quarantine.safe_message(e))
@@ -787,13 +787,14 @@ async def _events_at(store: Store, conn: AsyncConnection,
     return out
 
 
-async def _abandon_bulk_load(conn: AsyncConnection, name: str, tables: Sequence[Any]) -> None:
+async def _abandon_bulk_load(store: Store, conn: AsyncConnection, name: str,
+                             tables: Sequence[Any]) -> None:
     """End a bulk load that failed on what it read: empty the view again and leave the
     checkpoint at 0, so the projection replays event by event from the start, where an
     event it cannot apply is quarantined alone (the rebuild stays marked in progress)."""
     m = t.meta.c
     for table in tables:
-        await conn.execute(delete(table))
+        await clear_table(store, conn, table)
     await conn.run_sync(restore_shape, name, tables)
     await conn.execute(delete(t.meta).where(m.name.startswith(f"{name}.", autoescape=True)))
 
