@@ -45,7 +45,7 @@ from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
 from projections import rounds
-from projections.embed_cache import lookup
+from projections.embed_cache import embed_items, lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
@@ -513,6 +513,19 @@ async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, A
     if todo and is_cached(emb):
         hits, todo = await lookup(conn, emb, todo)
         known.update((k, to_blob(v)) for k, v in hits.items())
+        # A model's vector is kept by digest, as the index keeps its own (a rebuild
+        # then embeds no text again: the index never held a version superseded before
+        # it ran), referenced by the memory, so a forget of it erases it
+        # (`embed_cache.erase_items`). Not one a forget recorded by now covers: the
+        # index may have applied that forget already.
+        tombs = await store.tombstones(conn, sorted({k[0] for k in todo})) if todo else []
+        of = {(r["tenant"], r["memory_id"]): r for r in want}
+        keep = {k: x for k, x in todo.items()
+                if not any(covers(ts, coordinates(of[k])) for ts in tombs)}
+        if keep:
+            vecs = await embed_items(store, conn, emb, list(keep), list(keep.values()))
+            known.update({k: to_blob(v) for k, v in zip(keep, vecs, strict=True)})
+            todo = {k: x for k, x in todo.items() if k not in keep}
     if todo:
         vecs = emb.embed(list(todo.values()))
         known.update({k: to_blob(v) for k, v in zip(todo, vecs, strict=True)})
