@@ -259,7 +259,7 @@ async def _run() -> list[dict[str, Any]]:
             viewed, view_s = raw_in_child("view", db)
         head = child["head"]
         per_s = child["projections"]
-        core_s = sum(v for k, v in per_s.items() if k != "vectors")
+        core_s = sum(per_s[k] for k in ("memories", "tasks", "erasure"))
         per = ", ".join(f"{k} {head / v:,.0f}/s" for k, v in per_s.items() if v > 0)
         results.append(result(f"rebuild {n:,} events (memories, tasks, erasure)",
                               head / core_s, "events/s", raw_rate, "rows/s",
