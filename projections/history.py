@@ -234,14 +234,14 @@ class HistoryProjection:
         history of about `size` slots, in slot order, up to the load's head.
 
         The first step fixes the head at the memories view's checkpoint when that is
-        lower (the slots are paged from `mem_versions`, which then holds every slot
-        written up to the head; its marks from `mem_marks`). Each slot is resolved at
+        lower (the marks come from `mem_marks` up to there, as a batch reads them; the
+        slots are paged from the ledger's writes). Each slot is resolved at
         every position where one of its facts was recorded (`_resolve`), as the
         event-by-event projection resolves it at those of a batch, so the rows are the
         same; rows are written closed where they end, and redacted where any forget up
         to the head covers them (what the forget's own batch does to them). On SQLite
         the view's secondary indexes are dropped for the load and built at its end."""
-        mv = t.mem_versions.c
+        ev = t.events.c
         if "after" not in state:
             done = await checkpoint(conn, MEMORIES)
             state.update(head=min(int(state["head"]), done), after="", done=done)
@@ -249,9 +249,12 @@ class HistoryProjection:
                 for ix in t.mem_history.indexes:
                     await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
         head, done = int(state["head"]), int(state["done"])
+        # From the ledger, not from `mem_versions`: a write the memories view
+        # quarantined has no row there, and this view applies it all the same.
         slots = [r[0] for r in (await conn.execute(
-            select(mv.slot).where(mv.slot > str(state["after"])).distinct()
-            .order_by(mv.slot).limit(size))).all()] if head > 0 else []
+            select(ev.slot).where(ev.slot > str(state["after"]),
+                                  ev.type.in_(sorted(MEMORY_WRITES)), ev.position <= head)
+            .distinct().order_by(ev.slot).limit(size))).all()] if head > 0 else []
         if slots:
             changes = _Changes()
             await _resolve(conn, slots, None, None, None, head, done, changes, store)
