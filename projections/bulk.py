@@ -396,7 +396,7 @@ def _lexical_triggers(sync_conn: Any) -> None:
 async def clear_table(store: Store, conn: AsyncConnection, table: Table) -> None:
     """Delete every row of a view table; the lexical index's on SQLite with its
     full-text index at once (`delete-all`), not an FTS5 `delete` per row."""
-    if table is not t.lexical_docs or store.dialect != "sqlite":
+    if table is not t.lexical_docs or not bulk_sql_possible(store):
         await conn.execute(delete(table))
         return
     await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ad")
@@ -409,7 +409,7 @@ async def clear_table(store: Store, conn: AsyncConnection, table: Table) -> None
 async def lexical_load_start(store: Store, conn: AsyncConnection) -> bool:
     """Before a load into the emptied lexical index: on SQLite drop the insert trigger
     (the full-text index is filled at the end, `lexical_fts_step`); returns whether."""
-    if store.dialect != "sqlite":
+    if not bulk_sql_possible(store):
         return False
     await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ai")
     return True

@@ -53,6 +53,7 @@ from projections.protocol import finished, progressed
 from projections.sql import (
     any_of,
     batches,
+    bulk_sql_possible,
     close_history_rows,
     fetch,
     in_list,
@@ -245,7 +246,7 @@ class HistoryProjection:
         if "after" not in state:
             done = await checkpoint(conn, MEMORIES)
             state.update(head=min(int(state["head"]), done), after="", done=done)
-            if store.dialect == "sqlite":
+            if bulk_sql_possible(store):  # SQLite: the indexes are built at the end
                 for ix in t.mem_history.indexes:
                     await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
         head, done = int(state["head"]), int(state["done"])
