@@ -3,7 +3,8 @@
 For a ledger of 100k and of 1M events (`bench.common.mixed_events`: new memories,
 corrections, task events; appended through `Store.append` in batches), each size:
 
-- `replay.rebuild.rebuild` resets every view and replays it (reapplying the forget
+- `replay.rebuild.rebuild` resets every view (memories, tasks, erasure, vectors,
+  lexical, history) and replays it (reapplying the forget
   register first) in a child process, which reports its wall time, per-projection
   times and its own peak RSS (`VmHWM`): measured apart from the parent, which holds the
   generated events. The ledger is not projected beforehand (projecting 1M events
@@ -174,9 +175,10 @@ def peak_rss_kb() -> int:
 async def _child(db: Path) -> dict[str, Any]:
     """Run in the child process: rebuild every view, report times and peak RSS.
 
-    The views are rebuilt in two calls (memories, tasks and erasure; then vectors) so
-    the peak of the first part is known apart from the embedder's caches, which are
-    bounded (LRU) but take a few tens of MB once the vocabulary is large.
+    The views are rebuilt in two calls (memories, tasks and erasure; then the views
+    read from them: vectors, lexical, history) so the peak of the first part is known
+    apart from the embedder's caches, which are bounded (LRU) but take a few tens of
+    MB once the vocabulary is large.
     """
     from sqlalchemy import func, select
 
@@ -193,7 +195,7 @@ async def _child(db: Path) -> dict[str, Any]:
         res = await rebuild(store, ["memories", "tasks", "erasure"], progress=False)
         per.update({k: v["seconds"] for k, v in res["projections"].items()})
         core_rss = peak_rss_kb()
-        res2 = await rebuild(store, ["vectors"], progress=False)
+        res2 = await rebuild(store, ["vectors", "lexical", "history"], progress=False)
         per.update({k: v["seconds"] for k, v in res2["projections"].items()})
         seconds = time.perf_counter() - started
         async with store.read() as conn:
@@ -257,7 +259,7 @@ async def _run() -> list[dict[str, Any]]:
             viewed, view_s = raw_in_child("view", db)
         head = child["head"]
         per_s = child["projections"]
-        core_s = sum(v for k, v in per_s.items() if k != "vectors")
+        core_s = sum(per_s[k] for k in ("memories", "tasks", "erasure"))
         per = ", ".join(f"{k} {head / v:,.0f}/s" for k, v in per_s.items() if v > 0)
         results.append(result(f"rebuild {n:,} events (memories, tasks, erasure)",
                               head / core_s, "events/s", raw_rate, "rows/s",

@@ -363,11 +363,73 @@ def _create_indexes(sync_conn: Any, tables: Sequence[Table]) -> None:
 
 def restore_shape(sync_conn: Any, name: str, tables: Sequence[Table]) -> None:
     """Undo what a bulk load of projection `name` cut off and never resumed left
-    behind (SQLite: view indexes dropped for the load, its scratch table), so the
-    projection can be rebuilt event by event. For `replay.rebuild.reset_projection`."""
+    behind (SQLite: view indexes dropped for the load, its scratch table, the lexical
+    index's triggers), so the projection can be rebuilt event by event. For
+    `replay.rebuild.reset_projection`, after `clear_table`."""
     _create_indexes(sync_conn, tables)
     if name == "memories":
         _REST.drop(sync_conn, checkfirst=True)
+    if t.lexical_docs in tables and sync_conn.dialect.name == "sqlite":
+        _lexical_triggers(sync_conn)
+
+
+# -- the lexical index (SQLite) -----------------------------------------------------------
+#
+# Its FTS5 index is kept equal to `lexical_docs` by triggers, one full-text insert per
+# row. A load into the emptied index (`projections.lexical.LexicalProjection.bulk_step`)
+# drops the insert trigger, writes the rows, then fills the full-text index from them
+# in row id order, many rows a statement (FTS5 then writes few, large segments), and
+# creates the trigger again. A view is emptied with FTS5's `delete-all` (contentless:
+# a `delete` per row must name each row's terms, and a row a cut-off load wrote
+# without its full-text entry must not be deleted from the index).
+
+_LEXICAL_TRIGGERS: Final = tuple(x for x in t._SQLITE_LEXICAL_DDL if "TRIGGER" in x)
+#: Full-text entries written per step of the load's last phase.
+FTS_LOAD_ROWS: Final = 50_000
+
+
+def _lexical_triggers(sync_conn: Any) -> None:
+    for ddl in _LEXICAL_TRIGGERS:
+        sync_conn.exec_driver_sql(ddl)
+
+
+async def clear_table(store: Store, conn: AsyncConnection, table: Table) -> None:
+    """Delete every row of a view table; the lexical index's on SQLite with its
+    full-text index at once (`delete-all`), not an FTS5 `delete` per row."""
+    if table is not t.lexical_docs or not bulk_sql_possible(store):
+        await conn.execute(delete(table))
+        return
+    await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ad")
+    await conn.execute(delete(table))
+    await conn.exec_driver_sql(
+        f"INSERT INTO {t.LEXICAL_FTS}({t.LEXICAL_FTS}) VALUES ('delete-all')")
+    await conn.run_sync(_lexical_triggers)
+
+
+async def lexical_load_start(store: Store, conn: AsyncConnection) -> bool:
+    """Before a load into the emptied lexical index: on SQLite drop the insert trigger
+    (the full-text index is filled at the end, `lexical_fts_step`); returns whether."""
+    if not bulk_sql_possible(store):
+        return False
+    await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ai")
+    return True
+
+
+async def lexical_fts_step(conn: AsyncConnection, after: int | None) -> int | None:
+    """Write the full-text entries of the next `FTS_LOAD_ROWS` rows of `lexical_docs`
+    after row id `after`, in row id order; returns the last row id written, or None
+    when there were no more (the triggers are then created again)."""
+    lo = -1 if after is None else int(after)
+    last = (await conn.exec_driver_sql(
+        "SELECT max(docid) FROM (SELECT docid FROM lexical_docs WHERE docid > ? "
+        "ORDER BY docid LIMIT ?)", (lo, FTS_LOAD_ROWS))).scalar()
+    if last is None:
+        await conn.run_sync(_lexical_triggers)
+        return None
+    await conn.exec_driver_sql(
+        f"INSERT INTO {t.LEXICAL_FTS}(rowid, scope, terms) SELECT docid, scope, terms "
+        "FROM lexical_docs WHERE docid > ? AND docid <= ? ORDER BY docid", (lo, int(last)))
+    return int(last)
 
 
 # -- tasks --------------------------------------------------------------------------------

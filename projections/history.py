@@ -45,13 +45,15 @@ from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
 from projections import rounds
-from projections.embed_cache import lookup
+from projections.embed_cache import embed_items, lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
 from projections.memory import write_fact_of_row as _write_fact_of_row
+from projections.protocol import finished, progressed
 from projections.sql import (
     any_of,
     batches,
+    bulk_sql_possible,
     close_history_rows,
     fetch,
     in_list,
@@ -227,6 +229,44 @@ class HistoryProjection:
     #: Reads `mem_marks` (up to the memories view's checkpoint; the rest from the ledger).
     depends_on: tuple[str, ...] = (MEMORIES,)
 
+    async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
+                        size: int) -> tuple[dict[str, Any] | None, int]:
+        """One step of a bulk load into the emptied view (`replay rebuild`): the whole
+        history of about `size` slots, in slot order, up to the load's head.
+
+        The first step fixes the head at the memories view's checkpoint when that is
+        lower (the marks come from `mem_marks` up to there, as a batch reads them; the
+        slots are paged from the ledger's writes). Each slot is resolved at
+        every position where one of its facts was recorded (`_resolve`), as the
+        event-by-event projection resolves it at those of a batch, so the rows are the
+        same; rows are written closed where they end, and redacted where any forget up
+        to the head covers them (what the forget's own batch does to them). On SQLite
+        the view's secondary indexes are dropped for the load and built at its end."""
+        ev = t.events.c
+        if "after" not in state:
+            done = await checkpoint(conn, MEMORIES)
+            state.update(head=min(int(state["head"]), done), after="", done=done)
+            if bulk_sql_possible(store):  # SQLite: the indexes are built at the end
+                for ix in t.mem_history.indexes:
+                    await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+        head, done = int(state["head"]), int(state["done"])
+        # From the ledger, not from `mem_versions`: a write the memories view
+        # quarantined has no row there, and this view applies it all the same.
+        slots = [r[0] for r in (await conn.execute(
+            select(ev.slot).where(ev.slot > str(state["after"]),
+                                  ev.type.in_(sorted(MEMORY_WRITES)), ev.position <= head)
+            .distinct().order_by(ev.slot).limit(size))).all()] if head > 0 else []
+        if slots:
+            changes = _Changes()
+            await _resolve(conn, slots, None, None, None, head, done, changes, store)
+            await _embed(store, conn, changes.rows)
+            await insert_rows(store, conn, t.mem_history, changes.rows)
+        if len(slots) == size:
+            state["after"] = slots[-1]
+            return progressed(state, len(slots))
+        await conn.run_sync(_create_indexes)
+        return finished(state)
+
     async def apply(self, store: Store, conn: AsyncConnection,
                     batch: Sequence[StoredEvent]) -> None:
         """Record every change the batch makes to the rows of the slots it reaches, at
@@ -254,6 +294,12 @@ class HistoryProjection:
                 **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))
 
 
+def _create_indexes(sync_conn: Any) -> None:
+    """Build the view's secondary indexes a bulk load dropped (those it lacks)."""
+    for ix in t.mem_history.indexes:
+        ix.create(sync_conn, checkfirst=True)
+
+
 def _by_slot(rows: Iterable[Any], tenant_of: dict[str, str]) -> Iterable[Any]:
     """The rows whose tenant is their slot's (a slot id is a hash of its tenant among
     the rest: the check costs nothing and keeps the statements free of a tenant
@@ -265,7 +311,7 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
                  done: int, changes: _Changes) -> list[Tombstone]:
     """The batch's changes to `changes` (every tenant at once); returns the batch's
     tombstones (whose content the caller clears)."""
-    ev, mh = t.events.c, t.mem_history.c
+    ev = t.events.c
     writes_t = sorted(MEMORY_WRITES)
     lo, hi = batch[0].position, batch[-1].position
     tenants = sorted({se.tenant for se in batch})
@@ -306,7 +352,25 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
             tenant_of[r[0]] = ts.tenant
     if not at:
         return forgets
-    slots = sorted(at)
+    await _resolve(conn, sorted(at), at, tenant_of, tombs, hi, done, changes, store)
+    return forgets
+
+
+async def _resolve(conn: AsyncConnection, slots: Sequence[str],
+                   at: dict[str, set[int]] | None, tenant_of: dict[str, str] | None,
+                   tombs: Sequence[Tombstone] | None, hi: int, done: int,
+                   changes: _Changes, store: Store) -> None:
+    """Resolve each of `slots` again at each position of `at[slot]` (the positions that
+    may change it), from its facts up to `hi`, into `changes`; the open rows of those
+    slots are read first (their state decides whether a row changes).
+
+    `at` None (a bulk load into an empty view: no open rows, nothing read of the
+    view): every position where a fact of the slot was recorded, which holds every
+    position where its rows can change (one where none does opens no row). Rows are
+    checked against `tenant_of` (slot -> tenant) where given. `tombs` None: the
+    tombstones up to `hi` of the tenants whose writes were read."""
+    ev, mh = t.events.c, t.mem_history.c
+    writes_t = sorted(MEMORY_WRITES)
     facts: dict[str, list[WriteFact]] = {}
     erased: set[tuple[str, str]] = set()
     dialect = conn.dialect.name
@@ -319,15 +383,20 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
         in_list(conn, mh.slot, "slots"), mh.valid_to.is_(None)))
     for part in batches(conn, slots):
         chunk = list(part)
-        for r in _by_slot((await conn.execute(q, {"slots": chunk, "hi": hi})).all(),
-                          tenant_of):
+        got = (await conn.execute(q, {"slots": chunk, "hi": hi})).all()
+        for r in (got if tenant_of is None else _by_slot(got, tenant_of)):
             f, gone = fact_of_row(r)
             facts.setdefault(f.slot, []).append(f)
             if gone:
                 erased.add((f.tenant, f.memory_id))
+        if at is None or tenant_of is None:
+            continue
         for r in _by_slot((await conn.execute(q2, {"slots": chunk})).all(), tenant_of):
             changes.open[(r[0], r[2])] = _Open(int(r[3]), tuple(r[4:]))
     ids = {(f.tenant, f.memory_id) for fs in facts.values() for f in fs}
+    if tombs is None:
+        tombs = await store.tombstones(conn, sorted({k[0] for k in ids}), upto=hi) \
+            if ids else []
     marks = await _marks(conn, ids, hi, done)
     vias = {(m.tenant, m.via_candidate) for m in marks if m.via_candidate}
     confirmed_at: dict[str, dict[str, int]] = {}  # tenant -> candidate -> position
@@ -352,7 +421,14 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
         ms_all = [m for w in ws_all for m in by_target.get((tenant, w.memory_id), ())]
         ts_all = reach[tenant].slot(ws_all)
         confirmed = confirmed_at.get(tenant, {})
-        for p in sorted(at[slot]):
+        if at is not None:
+            points = at[slot]
+        else:
+            points = {w.position for w in ws_all} | {m.position for m in ms_all} | {
+                ts.position for ts in ts_all} | {
+                confirmed[m.via_candidate] for m in ms_all
+                if m.via_candidate and m.via_candidate in confirmed}
+        for p in sorted(points):
             ws = [w for w in ws_all if w.position <= p]
             if not ws:
                 continue
@@ -363,7 +439,6 @@ async def _batch(store: Store, conn: AsyncConnection, batch: Sequence[StoredEven
                 hidden = (tenant, row["memory_id"]) in erased or any(
                     covers(ts, coordinates(row)) for ts in ts_all)
                 changes.state(row, p, hidden)
-    return forgets
 
 
 async def _marks(conn: AsyncConnection, ids: Iterable[tuple[str, str]], upto: int,
@@ -442,6 +517,19 @@ async def _embed(store: Store, conn: AsyncConnection, rows: Sequence[dict[str, A
     if todo and is_cached(emb):
         hits, todo = await lookup(conn, emb, todo)
         known.update((k, to_blob(v)) for k, v in hits.items())
+        # A model's vector is kept by digest, as the index keeps its own (a rebuild
+        # then embeds no text again: the index never held a version superseded before
+        # it ran), referenced by the memory, so a forget of it erases it
+        # (`embed_cache.erase_items`). Not one a forget recorded by now covers: the
+        # index may have applied that forget already.
+        tombs = await store.tombstones(conn, sorted({k[0] for k in todo})) if todo else []
+        of = {(r["tenant"], r["memory_id"]): r for r in want}
+        keep = {k: x for k, x in todo.items()
+                if not any(covers(ts, coordinates(of[k])) for ts in tombs)}
+        if keep:
+            vecs = await embed_items(store, conn, emb, list(keep), list(keep.values()))
+            known.update({k: to_blob(v) for k, v in zip(keep, vecs, strict=True)})
+            todo = {k: x for k, x in todo.items() if k not in keep}
     if todo:
         vecs = emb.embed(list(todo.values()))
         known.update({k: to_blob(v) for k, v in zip(todo, vecs, strict=True)})

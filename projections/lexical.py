@@ -55,11 +55,13 @@ from ledger import schema as t
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
+from projections.bulk import FTS_LOAD_ROWS, lexical_fts_step, lexical_load_start
 from projections.embedding import light_stem
 from projections.protocol import finished, progressed
 from projections.reads import Principal, not_forgotten
 from projections.sql import (
     in_list,
+    insert_rows,
     lexical_delete,
     lexical_hits,
     lexical_insert,
@@ -180,14 +182,31 @@ class LexicalProjection:
 
     async def bulk_step(self, store: Store, conn: AsyncConnection, state: dict[str, Any],
                         size: int) -> tuple[dict[str, Any] | None, int]:
-        """One step of a bulk load: index the active memories by primary key."""
+        """One step of a bulk load: index the active memories by primary key (phase
+        `docs`); on SQLite the rows go in without their full-text entries, which phase
+        `fts` then writes from them in row id order (`projections.bulk`)."""
+        if "phase" not in state:
+            state["phase"] = "docs"
+            state["fts"] = await lexical_load_start(store, conn)
+        if state["phase"] == "fts":
+            last = await lexical_fts_step(conn, state.get("after"))
+            if last is None:
+                return finished(state)
+            state["after"] = last
+            return progressed(state, FTS_LOAD_ROWS)
         mv = t.mem_versions.c
         rows = await page_after(conn, select(*[mv[c] for c in _MEM_COLUMNS]).where(
             mv.status == "active", not_forgotten()), (mv.tenant, mv.memory_id),
             state.get("after"), size)
-        await lexical_insert(store, conn, doc_rows(rows))
+        if state["fts"]:
+            await insert_rows(store, conn, t.lexical_docs, doc_rows(rows))
+        else:
+            await lexical_insert(store, conn, doc_rows(rows))
         if len(rows) < size:
-            return finished(state)
+            if not state["fts"]:
+                return finished(state)
+            state.update(phase="fts", after=None)
+            return progressed(state, len(rows))
         state["after"] = [rows[-1].tenant, rows[-1].memory_id]
         return progressed(state, len(rows))
 

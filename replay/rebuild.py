@@ -35,7 +35,7 @@ from ledger.register import Scan
 from ledger.store import Store
 from ledger.validation import parse_event
 from projections import index_cache, matrix_snapshot, quarantine, shards
-from projections.bulk import restore_shape
+from projections.bulk import clear_table, restore_shape
 from projections.erasure import erase_payloads
 from projections.protocol import BulkLoadable, Projection
 from projections.runner import REBUILD_MARKER, Runner, write_bulk_state
@@ -224,7 +224,7 @@ async def reset_projection(store: Store, proj: Projection, *, bulk: bool = True)
     async with store.view_write() as conn:
         await _lock_checkpoint(conn, store, proj.name)
         for table in proj.tables:
-            await conn.execute(delete(table))
+            await clear_table(store, conn, table)
         # Indexes a cut-off bulk load dropped (SQLite loads only; elsewhere a no-op).
         await conn.run_sync(restore_shape, proj.name, proj.tables)
         # A projection's own bookkeeping rows are named `<name>.<what>` (for example

@@ -68,14 +68,19 @@ async def test_bulk_load_equals_event_by_event(tmp_path: Path, seed: int, n: int
             await store.append_one(parse_event(e))
         await Runner(store, batch_size=rng.randint(1, 5)).catch_up()
         incremental = await dump_views(store, t.VIEW_TABLES)
+        fts = await _fts_instances(store)
         res = await rebuild(store, batch_size=size, progress=False)
         assert await dump_views(store, t.VIEW_TABLES) == incremental
+        assert await _fts_instances(store) == fts
         head = await store.head()
         assert all(p["events"] == head for p in res["projections"].values())
         assert await in_progress(store) == set()
-        for name in ("memories", "tasks", "vectors"):
+        for name in ("memories", "tasks", "vectors", "history"):
             assert await _bulk_state(store, name) is None
             assert await _checkpoint(store, name) == head
+        # The history's load dropped its secondary indexes and built them again.
+        assert await _sqlite_indexes(store, "mem_history") == {
+            ix.name for ix in t.mem_history.indexes}
     finally:
         await store.close()
 
@@ -185,8 +190,8 @@ async def test_two_runners_share_a_bulk_load(db_url: str, register_path: str) ->
             await reset_projection(a, p)
         await asyncio.gather(ra.catch_up(), rb.catch_up())
         assert await dump_views(a, t.VIEW_TABLES) == expected
-        # The views rebuilt event by event (no bulk load) keep their markers here.
-        assert await in_progress(a) == {"erasure", "history"}
+        # The view rebuilt event by event (no bulk load) keeps its marker here.
+        assert await in_progress(a) == {"erasure"}
     finally:
         await a.close()
         await b.close()
@@ -375,3 +380,62 @@ async def test_bulk_load_cut_off_then_rebuilt_event_by_event(store: Store) -> No
         async with store.read() as conn:
             assert not (await conn.exec_driver_sql(
                 "SELECT name FROM sqlite_master WHERE name = 'bulk_memories_rest'")).all()
+
+
+async def _fts_instances(store: Store) -> list[tuple[object, ...]]:
+    """Every (term, row id, column, offset) the lexical full-text index holds (SQLite)."""
+    async with store.read() as conn:
+        await conn.exec_driver_sql(
+            f"CREATE VIRTUAL TABLE IF NOT EXISTS temp.fts_instances USING fts5vocab("
+            f"main, {t.LEXICAL_FTS}, 'instance')")
+        return [tuple(r) for r in (await conn.exec_driver_sql(
+            "SELECT term, doc, col, \"offset\" FROM temp.fts_instances "
+            "ORDER BY term, doc, col, \"offset\"")).all()]
+
+
+async def test_lexical_load_fills_the_full_text_index(sqlite_url: str,
+                                                       register_path: str) -> None:
+    """The lexical index's load writes its rows without the insert trigger, then their
+    full-text entries in row id order: the index then holds exactly what projecting
+    event by event put in it, its triggers are back, and a load cut off between the two
+    phases is emptied whole by a reset (`delete-all`), leaving no entry behind."""
+    from projections.lexical import LexicalProjection
+
+    store = Store(sqlite_url, register_path=register_path)
+    await store.open()
+    try:
+        evs = gen_events(random.Random(5), 80)
+        for e in evs[:60]:
+            await store.append_one(parse_event(e))
+        await Runner(store, batch_size=3).catch_up()
+        expected = await _fts_instances(store)
+        assert expected
+        rows = await dump_views(store, (t.lexical_docs,))
+        lexical = LexicalProjection()
+        runner = Runner(store, projections=[lexical])
+        await reset_projection(store, lexical)
+        assert await _fts_instances(store) == []
+        await runner.step(lexical, size=2)  # rows, no full-text entries yet
+        async with store.read() as conn:
+            triggers = {r[0] for r in (await conn.exec_driver_sql(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger'")).all()}
+        assert "lexical_docs_ai" not in triggers
+        assert await _fts_instances(store) == []
+        await reset_projection(store, lexical)  # cut off: emptied and started again
+        assert await dump_views(store, (t.lexical_docs,)) == {"lexical_docs": []}
+        await rebuild(store, ["lexical"], batch_size=2, progress=False)
+        assert await dump_views(store, (t.lexical_docs,)) == rows
+        assert await _fts_instances(store) == expected
+        async with store.read() as conn:
+            triggers = {r[0] for r in (await conn.exec_driver_sql(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger'")).all()}
+        assert {"lexical_docs_ai", "lexical_docs_ad", "lexical_docs_au"} <= triggers
+        # Live updates after the load go through the triggers again.
+        for e in evs[60:]:
+            await store.append_one(parse_event(e))
+        await Runner(store, batch_size=3).catch_up()
+        after = await _fts_instances(store)
+        await rebuild(store, ["lexical"], bulk=False, restart=True, progress=False)
+        assert await _fts_instances(store) == after
+    finally:
+        await store.close()

@@ -31,6 +31,7 @@ from replay import config
 from replay.rebuild import rebuild
 from replay.status import status_report
 from tests.factories import event, src, write
+from tests.helpers import dump_views
 
 NOW = 1_900_000_000_000_000
 NS = ["shop-a", "u7", "preferences"]
@@ -147,6 +148,33 @@ async def test_rebuild_and_second_tenant_do_not_embed_again(store: Store,
     assert len(again) == 4
     assert again[("shop-b", next(k for (tn, k) in again if tn == "shop-b"))] in first.values()
     assert len(model.texts) == 2  # nothing embedded twice
+
+
+async def test_rebuild_of_every_view_embeds_no_stored_text(store: Store,
+                                                            model: CountingModel) -> None:
+    """A rebuild of every view (the index, the lexical index, the history, whose rows
+    of a superseded version carry the embedding of a text the index no longer holds)
+    takes every vector from the cache: the model embeds nothing again, and the views
+    are the same."""
+    await append(store, write("lang", "one", memory_id="M1", source=src(at=at(1))),
+                 write("lang", "two", memory_id="M2", supersedes="M1",
+                       etype="memory.corrected", source=src(at=at(2))),
+                 write("style", "brief", source=src(at=at(3))))
+    await Runner(store).catch_up()
+    assert len(model.texts) == 3
+    tables = (t.vectors, t.mem_history, t.lexical_docs)
+    before = await dump_views(store, tables)
+    await rebuild(store, progress=False)
+    assert await dump_views(store, tables) == before
+    assert len(model.texts) == 3
+    # The superseded version's vector, kept by the history, goes with a forget.
+    assert digest("lang: one") in await cache_rows(store)
+    await append(store, event("memory.forgotten", {"namespace": NS, "key": "lang"},
+                              source=src(at=at(4))))
+    await Runner(store).catch_up()
+    left = await cache_rows(store)
+    assert digest("lang: one") not in left and digest("lang: two") not in left
+    assert digest("style: brief") in left
 
 
 async def test_forget_erases_cached_vectors_of_every_version(store: Store,
