@@ -25,6 +25,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     String,
+    all_,
     and_,
     any_,
     bindparam,
@@ -109,6 +110,15 @@ def any_of(conn: AsyncConnection, col: Any, values: Sequence[Any]) -> Any:
     if conn.dialect.name == "postgresql":
         return col == any_(bindparam(None, list(values), type_=ARRAY(col.type)))
     return col.in_(values)
+
+
+def none_of_array(conn: AsyncConnection, col: Any, values: Sequence[int]) -> Any | None:
+    """PostgreSQL: `col <> ALL($1::bigint[])`, `col` is none of `values`, one array
+    parameter; None elsewhere, where the caller reads every row instead
+    (`projections.task_rows.summarize_tasks`: a batch's own notes are not read back)."""
+    if conn.dialect.name != "postgresql" or not values:
+        return None
+    return col != all_(bindparam(None, list(values), type_=ARRAY(BigInteger)))
 
 
 def in_list(conn: AsyncConnection, col: Any, name: str) -> Any:

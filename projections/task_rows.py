@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from sqlalchemy import BigInteger, all_, bindparam, delete, select, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
@@ -21,7 +20,7 @@ from ledger.forgets import Coordinates, Tombstone, covers
 from ledger.records import StoredEvent
 from ledger.store import Store
 from ledger.vault import Subject, subject, summary_key_id
-from projections.sql import any_of, batches, insert_rows, pairs_of
+from projections.sql import any_of, batches, insert_rows, none_of_array, pairs_of
 from projections.tasks import Note, note_body, summarize
 
 
@@ -38,12 +37,11 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
     """
     tn, tv = t.task_notes.c, t.tasks_view.c
     by_task: dict[tuple[str, str], list[Note]] = {k: [] for k in keys}
-    outside: list[Any] = []
-    if batch and conn.dialect.name == "postgresql":
+    apart = none_of_array(conn, tn.position, [note.position for note in batch])
+    outside: list[Any] = [] if apart is None else [apart]
+    if apart is not None:
         for note in batch:
             by_task[(note.tenant, note.task_key)].append(note)
-        outside.append(tn.position != all_(bindparam(
-            None, [note.position for note in batch], type_=ARRAY(BigInteger))))
     owners: dict[tuple[str, str], str] = {}
     to = t.task_owners.c
     for chunk in batches(conn, keys):
