@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import orjson
@@ -52,33 +52,9 @@ ERASING: Final = ("erasure", "history")
 #: A step of a projection that names its event types reads up to `batch_size` of them
 #: within this many times `batch_size` positions (`Runner._step_all`).
 SPARSE_SPAN: Final = 32
-#: SQLite page cache (KiB) of the connection while it applies a step or a fused window
-#: of a catch-up or a rebuild; the connection's own size is set back after it. A step
-#: writes thousands of rows into views whose indexes are keyed at random (slots,
-#: memory ids), each touching a page of its own: with SQLite's default (2 MB) the
-#: pages are spilled to the WAL and read back within the same transaction. Bounded:
-#: one writer at a time, so it adds at most this much to a process
-#: (docs/projections.md, "Rebuild").
-STEP_PAGE_CACHE_KIB: Final = 65536
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"
-
-
-@contextlib.asynccontextmanager
-async def page_cache(conn: AsyncConnection, kib: int = STEP_PAGE_CACHE_KIB
-                     ) -> AsyncIterator[None]:
-    """SQLite: give `conn` a page cache of `kib` KiB for the body, its own size after
-    (shrinking it frees the pages). Elsewhere nothing."""
-    if conn.dialect.name != "sqlite":
-        yield
-        return
-    before = (await conn.exec_driver_sql("PRAGMA cache_size")).scalar_one()
-    await conn.exec_driver_sql(f"PRAGMA cache_size=-{int(kib)}")
-    try:
-        yield
-    finally:
-        await conn.exec_driver_sql(f"PRAGMA cache_size={int(before)}")
 
 
 @contextlib.contextmanager
@@ -187,7 +163,7 @@ class Runner:
         """One batch of every shard, holding the projection's checkpoint row exclusively
         (shard batches of other runners wait; see `_step_shards`)."""
         cp = t.checkpoints.c
-        async with self.store.view_write() as conn, page_cache(conn):
+        async with self.store.view_write() as conn:
             q = for_update(self.store, select(cp.position).where(cp.name == proj.name))
             row = (await conn.execute(q)).first()
             if row is None:
@@ -545,12 +521,9 @@ class Runner:
             prepare = getattr(proj, "prepare", None)
             if prepare is not None:
                 await prepare(self.store, self.batch_size, self.owned)
-        async def body(conn: AsyncConnection) -> Any:
-            async with page_cache(conn):
-                return await self._round_in(conn, upto, group)
-
         with no_gc_pauses():
-            fused, end, at, done = await self.store.transaction(body, views=True)
+            fused, end, at, done = await self.store.transaction(
+                lambda conn: self._round_in(conn, upto, group), views=True)
         if not fused:
             return None
         await self._finish_round(at, end, done)
