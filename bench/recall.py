@@ -10,7 +10,8 @@ ranking, the task look-up and the audit record it writes.
 Baseline: raw `sqlite3` + numpy doing the same filtered brute-force search per query
 (embed the query, select the principal's vectors by tenant and namespace range, one
 matrix product, top 5, fetch those rows' values), with no cache, as a script would.
-Targets: p99 < 30 ms for 100k memories of one user; the first recall of that user in a
+Targets: warm p99 < 30 ms (issue 18) and < 15 ms (issue 20) for 100k memories of one
+user; the first recall of that user in a
 process that never loaded it p50 < 100 ms (issue 20), measured three ways
 (`projections.matrix_snapshot`): after `project` (a new process; the snapshot the
 projection side wrote after its catch-up, `index_cache.write_snapshots`: the normal
@@ -255,7 +256,8 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
     raw, product = raw_latencies(path, emb, asks[:raw_n])
     load = os.getloadavg()[0]
     p99 = percentile(warm, 99)
-    target = f"; target p99 < 30 ms: {'met' if p99 < 30 else 'MISSED'}" if users == 1 else ""
+    target = (f"; target p99 < 30 ms: {'met' if p99 < 30 else 'MISSED'}, "
+              f"< 15 ms (issue 20): {'met' if p99 < 15 else 'MISSED'}") if users == 1 else ""
     out.append(result(f"recall p50, {n // 1000}k memories / {users:,} user(s)",
                       percentile(warm, 50), "ms", percentile(raw, 50), "ms",
                       f"pipeline incl. re-check + audit write; raw: sqlite3 select + numpy "
