@@ -120,6 +120,11 @@ PG_SCHEMA: Final = "memledger_vault"
 T = TypeVar("T")
 
 
+def _cipher(kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
+    """The cipher of a data key and the sealed header's prefix that names it."""
+    return AESGCM(raw), MAGIC + bytes.fromhex(kid)
+
+
 class VaultError(MemledgerError):
     """The key store cannot be used as asked (missing, damaged, a fenced id)."""
 
@@ -913,13 +918,9 @@ class FileKeyStore(KeyStore):
         n = self._n
         if not n:
             return False, None
-        hit: list[int]
-        if self._scans >= _SCANS or self._order is not None:
-            if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
-                return self._fallback(kid)
-            hit = self._seek([int.from_bytes(rid[:8], "big", signed=True)], n)[0]
-        else:
+        if self._order is None or n - self._ns > max(_UNSORTED, self._ns // 8):
             return self._fallback(kid)
+        hit = self._seek([int.from_bytes(rid[:8], "big", signed=True)], n)[0]
         key_rec: int | None = None
         body = b""
         fenced = False
@@ -1401,7 +1402,7 @@ class Vault:
     def _put(self, kid: str, raw: bytes) -> tuple[AESGCM, bytes]:
         if len(self._cache) >= CIPHER_CACHE:
             self._evict()
-        entry = self._cache[kid] = (AESGCM(raw), MAGIC + bytes.fromhex(kid))
+        entry = self._cache[kid] = _cipher(kid, raw)
         return entry
 
     def _entry(self, kid: str) -> tuple[AESGCM, bytes] | None:
@@ -1433,8 +1434,7 @@ class Vault:
             self._pool_next = min(self._pool_next * 2, POOL_MAX)
             got = self.keys.provision_pool(size)
             # Keys enter the pool only once `provision_pool` returned: durable.
-            self._pool_keys.update(
-                (k, (AESGCM(raw), MAGIC + bytes.fromhex(k))) for k, raw in got.items())
+            self._pool_keys.update((k, _cipher(k, raw)) for k, raw in got.items())
             pool[:0] = list(got)  # taken from the end: what was left goes first
 
     def take(self, n: int) -> list[str]:
