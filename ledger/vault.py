@@ -298,6 +298,14 @@ class KeyStore(ABC):
     def fenced(self, ids: Iterable[str]) -> set[str]:
         """Which of `ids` are fenced (destroyed; never provisioned again)."""
 
+    def revoked(self, kid: str) -> bool:
+        """Is `kid` destroyed, by this process or another, as far as the store can tell
+        now? The vault asks on every use of a cipher it keeps (`Vault._entry`), so
+        another process's forget reaches a running process's cache: each store answers
+        as cheaply as it can (a file: its size and identity; PostgreSQL: the fences
+        the server announced). This default asks the store itself."""
+        return self.get(kid) is None
+
     @abstractmethod
     def _provision(self, want: Sequence[str], *, fresh: bool = False) -> dict[str, bytes]:
         """Every key of `want`: those present, and new ones for the rest, stored durably
@@ -912,6 +920,24 @@ class FileKeyStore(KeyStore):
                     key = self._one(kid, rid)[1]
             return key
 
+    def revoked(self, kid: str) -> bool:
+        """Read what other processes appended since the last look (their fences drop
+        the keys they name from what this process read, `_read_tail`), then answer as
+        `get` (an overwritten key record shows in the mapping, a fence in the index).
+        When nothing was appended this is one `fstat`: the file's size is what was read,
+        and it still has a name (a rewrite renames another file over it)."""
+        with self._lock:
+            fd = self._fd
+            if fd is None or self._width < 0:
+                self._refresh()
+            else:
+                st = os.fstat(fd)
+                if st.st_nlink == 0 or st.st_size != _HEAD_BYTES + self._n * self._rec_size():
+                    self._refresh()
+            if self._cached(kid) is not None:
+                return False
+        return self.get(kid) is None
+
     def _one(self, kid: str, rid: bytes) -> tuple[bool, bytes | None]:
         """(caller holds `_lock`) Whether the file holds a key or a fence of `rid`, and
         the unwrapped key (None if absent or fenced), read as `_states` reads it."""
@@ -1091,6 +1117,8 @@ class PostgresKeyStore(KeyStore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: Any = None
         self._cache: dict[str, bytes] = {}
+        # Ids other processes fenced, as the server announced them (`_heard`).
+        self._revoked: set[str] = set()
         self._lock = threading.Lock()
         _PER_PROCESS.add(self)
 
@@ -1125,6 +1153,9 @@ class PostgresKeyStore(KeyStore):
         import asyncpg
 
         if self._conn is None or self._conn.is_closed():
+            # Keys read on a connection that was lost were not covered by its
+            # announcements since: read them again (with their fences) when next used.
+            self._cache.clear()
             self._conn = await asyncpg.connect(self.dsn)
             s = self.schema
             await self._conn.execute(
@@ -1133,7 +1164,32 @@ class PostgresKeyStore(KeyStore):
                 "(key_id text PRIMARY KEY, wrapped bytea NOT NULL); "
                 f'CREATE TABLE IF NOT EXISTS "{s}".key_fence '
                 "(key_id text PRIMARY KEY, fenced_at timestamptz NOT NULL DEFAULT now())")
+            # Listening before any key is read on this connection: every fence
+            # committed after a read is announced to this process (`_heard`).
+            await self._conn.add_listener(self._channel(), self._heard)
         return self._conn
+
+    def _channel(self) -> str:
+        return f"{self.schema}.key_fence"[:63]
+
+    def _heard(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        """A fence another process (or this one) committed: the ids it names are never
+        served from this process's cache again (`revoked`)."""
+        for kid in payload.split(","):
+            self._revoked.add(kid)
+            self._cache.pop(kid, None)
+
+    def revoked(self, kid: str) -> bool:
+        """Announced as fenced since this connection began listening, or (a key not
+        read on it) fenced or absent on the server now. No query for a key read on the
+        current connection: its destroy would have been announced, within the time a
+        notification takes to arrive."""
+        if kid in self._revoked:
+            return True
+        conn = self._conn
+        if conn is None or conn.is_closed():  # lost: what it heard no longer covers all
+            self._cache.clear()
+        return kid not in self._cache and self.get(kid) is None
 
     def exists(self) -> bool:
         async def q() -> bool:
@@ -1149,21 +1205,27 @@ class PostgresKeyStore(KeyStore):
 
     def load(self, ids: Iterable[str] | None = None) -> dict[str, bytes]:
         wanted = None if ids is None else list(ids)
-        if wanted is not None and all(k in self._cache for k in wanted):
-            return {k: self._cache[k] for k in wanted}
+        # `.get`, never `in` then `[]`: the listener thread drops fenced ids (`_heard`).
+        cache = self._cache
+        if wanted is not None:
+            hit = {k: v for k in wanted if (v := cache.get(k)) is not None}
+            if len(hit) == len(wanted):
+                return hit
 
         async def q() -> list[Any]:
             c = await self._connection()
+            # A fenced key whose row is still there (a destroy cut short) is destroyed.
+            unfenced = (f'NOT EXISTS (SELECT 1 FROM "{self.schema}".key_fence f '
+                        "WHERE f.key_id = k.key_id)")
             if wanted is None:
-                return list(await c.fetch(f'SELECT key_id, wrapped FROM "{self.schema}".data_keys'))
+                return list(await c.fetch(f'SELECT k.key_id, k.wrapped FROM '
+                                          f'"{self.schema}".data_keys k WHERE {unfenced}'))
             return list(await c.fetch(
-                f'SELECT key_id, wrapped FROM "{self.schema}".data_keys '
-                "WHERE key_id = ANY($1::text[])", wanted))
-        for r in self._run(q()):
-            self._cache[r[0]] = self.wrapper.unwrap(r[0], bytes(r[1]))
-        pick = self._cache if wanted is None else {k: self._cache[k] for k in wanted
-                                                   if k in self._cache}
-        return dict(pick)
+                f'SELECT k.key_id, k.wrapped FROM "{self.schema}".data_keys k '
+                f"WHERE k.key_id = ANY($1::text[]) AND {unfenced}", wanted))
+        got = {r[0]: self.wrapper.unwrap(r[0], bytes(r[1])) for r in self._run(q())}
+        cache.update(got)
+        return got
 
     def fenced(self, ids: Iterable[str]) -> set[str]:
         wanted = list(ids)
@@ -1208,13 +1270,13 @@ class PostgresKeyStore(KeyStore):
                     f'SELECT key_id, wrapped FROM "{s}".data_keys '
                     "WHERE key_id = ANY($1::text[])", list(new)))
         rows = self._run(q())
-        if fresh:
-            self._cache.update({k: key for k, (key, _) in new.items()})
+        got = {k: key for k, (key, _) in new.items()} if fresh else {}
         for r in rows:
             mine = new[r[0]]
-            self._cache[r[0]] = mine[0] if bytes(r[1]) == mine[1] else \
+            got[r[0]] = mine[0] if bytes(r[1]) == mine[1] else \
                 self.wrapper.unwrap(r[0], bytes(r[1]))
-        return {k: self._cache[k] for k in want if k in self._cache}
+        self._cache.update(got)
+        return {k: got[k] for k in want if k in got}
 
     def _release(self, ids: Sequence[str]) -> None:
         async def q() -> None:
@@ -1228,8 +1290,15 @@ class PostgresKeyStore(KeyStore):
     def _fence(self, ids: Sequence[str]) -> None:
         async def q() -> None:
             c = await self._connection()
-            await c.executemany(f'INSERT INTO "{self.schema}".key_fence (key_id) '
-                                "VALUES ($1) ON CONFLICT DO NOTHING", [(k,) for k in ids])
+            async with c.transaction():
+                await c.executemany(f'INSERT INTO "{self.schema}".key_fence (key_id) '
+                                    "VALUES ($1) ON CONFLICT DO NOTHING",
+                                    [(k,) for k in ids])
+                # Announced at commit to every process listening (`_heard`); a payload
+                # holds at most 8,000 bytes, so ids go in groups of 200.
+                for i in range(0, len(ids), 200):
+                    await c.execute("SELECT pg_notify($1, $2)", self._channel(),
+                                    ",".join(ids[i:i + 200]))
         self._run(q())
         for k in ids:
             self._cache.pop(k, None)
@@ -1411,6 +1480,9 @@ class Vault:
             raw = self.keys.get(kid)
             if raw is not None:
                 entry = self._put(kid, raw)
+        elif self.keys.revoked(kid):  # another process's forget since it was cached
+            self._cache.pop(kid, None)
+            return None
         return entry
 
     def ready(self, n: int) -> bool:
