@@ -233,38 +233,17 @@ async def recheck(conn: AsyncConnection, who: reads.Principal, memory_ids: Seque
     statistics, a bare `status = 'active'` makes the planner scan the tenant's whole
     `(tenant, status)` index instead of looking the few ids up by primary key.
     """
-    if store is not None:
-        got = recheck_here(store, who, memory_ids, now_us=now_us, task=task,
-                           session=session, sealed=sealed)
-        if got is not None:
-            return got
+    values = {"tenant": who.tenant, "plen": len(who.prefix), "prefix": who.prefix,
+              "now": now_us, "task": task, "session": session}
+    if store is not None and store.recorder.point_reads() is not None:  # SQLite files
+        pq = _RECHECK_POINT[(task is not None, session is not None)]
+        rows = point_rows(store, pq, {**values, "ids": orjson.dumps(list(memory_ids)).decode()},
+                          opened=not sealed)
+        if rows is not None:
+            make = SealedVersionRow._make if sealed else reads.MemVersionRow._make
+            return [make(r) for r in rows]
     q = _RECHECK[(task is not None, session is not None)]
-    return list((await conn.execute(q, {**_recheck_values(who, now_us, task, session),
-                                        "ids": list(memory_ids)})).all())
-
-
-def _recheck_values(who: reads.Principal, now_us: int, task: str | None,
-                    session: str | None) -> dict[str, Any]:
-    return {"tenant": who.tenant, "plen": len(who.prefix), "prefix": who.prefix,
-            "now": now_us, "task": task, "session": session}
-
-
-def recheck_here(store: Store, who: reads.Principal, memory_ids: Sequence[str], *,
-                 now_us: int, task: str | None, session: str | None,
-                 sealed: bool = False) -> list[Any] | None:
-    """`recheck` on the calling thread only (`point_rows`, SQLite files): its rows, or
-    None where that cannot run (PostgreSQL, an in-memory database, a busy file). It
-    never touches a connection, so it can run while another task uses one."""
-    if store.recorder.point_reads() is None:
-        return None
-    pq = _RECHECK_POINT[(task is not None, session is not None)]
-    rows = point_rows(store, pq, {**_recheck_values(who, now_us, task, session),
-                                  "ids": orjson.dumps(list(memory_ids)).decode()},
-                      opened=not sealed)
-    if rows is None:
-        return None
-    make = SealedVersionRow._make if sealed else reads.MemVersionRow._make
-    return [make(r) for r in rows]
+    return list((await conn.execute(q, {**values, "ids": list(memory_ids)})).all())
 
 
 def fusion() -> tuple[str, float]:
@@ -363,8 +342,6 @@ async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Princ
             cands[m] = Candidate(float(sim), basis)
             if qvec is not None:
                 sem[m] = float(sim)
-    valid: dict[str, Any] = {}
-    checked: set[str] = set()
     # The lexical arm's full-text match runs on another thread (`lexical.search`,
     # `read_sql(beside=True)`) while this one scores the vectors: both release the GIL.
     k = POOL + 4 * limit
@@ -389,42 +366,25 @@ async def valid_candidates(conn: AsyncConnection, store: Store, who: reads.Princ
                 return idx.recency()[:k]
             return _top(scores, k, MIN_RELEVANCE, idx.orders)
 
-        def pool(order: NDArray[np.int64]) -> list[str]:
-            """The memory ids of these long-term rows, each made a candidate."""
-            out = []
-            for i in order:
-                mid = idx.ids[int(i)]
-                if scores is not None:
-                    sem.setdefault(mid, float(scores[int(i)]))
-                if mid not in cands:
-                    cands[mid] = Candidate(
-                        float(scores[int(i)]) if scores is not None else 1.0, basis)
-                out.append(mid)
-            return out
-
         first = ranked(k)
-        first_ids = pool(first)
         lag_ids = [m for m in lag if not idx.has(m)]
-        if lex_job is not None and not lex_job.done():
-            # While the lexical match runs beside, re-check every id known so far on
-            # this thread (point reads only: `conn` may be the lexical arm's); the
-            # lexical arm's own ids follow. The same ids, each checked once.
-            early = list(dict.fromkeys([*cands, *lag_ids, *first_ids]))
-            for s in range(0, len(early), 500):
-                got = recheck_here(store, who, early[s:s + 500], now_us=now_us, task=task,
-                                   session=session, sealed=True)
-                if got is None:
-                    break
-                valid.update((r.memory_id, r) for r in got)
-                checked.update(early[s:s + 500])
         lex = await lex_job if lex_job is not None else []
     finally:
         if lex_job is not None and not lex_job.done():
             lex_job.cancel()
+    valid: dict[str, Any] = {}
+    checked: set[str] = set()
     want = [*cands, *lag_ids, *(m for m, _ in lex)]
     for _round in range(4):
         order = first if _round == 0 else ranked(k)
-        want.extend(first_ids if _round == 0 else pool(order))
+        for i in order:
+            mid = idx.ids[int(i)]
+            if scores is not None:
+                sem.setdefault(mid, float(scores[int(i)]))
+            if mid not in cands:
+                cands[mid] = Candidate(float(scores[int(i)]) if scores is not None else 1.0,
+                                       basis)
+            want.append(mid)
         todo = [m for m in dict.fromkeys(want) if m not in checked]
         for s in range(0, len(todo), 500):
             for r in await recheck(conn, who, todo[s:s + 500], now_us=now_us, task=task,
