@@ -371,42 +371,6 @@ def bm25_scores(present: Sequence[NDArray[np.bool_]], idf: Sequence[float],
     return score
 
 
-async def _page_scores(store: Store, conn: AsyncConnection, ids: NDArray[np.int64],
-                       present: Sequence[NDArray[np.bool_]], idf: Sequence[float],
-                       avgdl: float, page: int, structure: bytes | None
-                       ) -> NDArray[np.float64]:
-    """FTS5's BM25 (`bm25_scores`) of every row that can be among the best `page` of
-    `ids`; -inf for the rest, whose sizes are never read.
-
-    A row's score falls as its size grows (every operation of `bm25_scores` is
-    monotonic, rounding included), so its score at size 0 (`bound`) is the most it
-    can have. The `page` rows of the
-    highest bounds are scored first; the `page`-th best of their scores, `floor`, is
-    reached by at least `page` rows, so a row whose bound is below it ranks below
-    `page` rows and is left out. Only the sizes of the rest are read (`lexical_sizes`:
-    a look-up per row the cache does not hold, the cost of a query's first recall
-    after any change to the index). The scores are the ones computed before, bit for
-    bit (elementwise, the same operations on each row), so the ranked page is the
-    same rows in the same order."""
-    scores = np.full(len(ids), -np.inf)
-    if len(ids) <= page:
-        want = np.ones(len(ids), dtype=bool)
-    else:
-        bound = bm25_scores(present, idf, np.zeros(len(ids)), avgdl)
-        want = np.zeros(len(ids), dtype=bool)
-        want[np.argpartition(-bound, page - 1)[:page]] = True
-        scores[want] = bm25_scores([m[want] for m in present], idf,
-                                   await lexical_sizes(store, conn, ids[want], structure),
-                                   avgdl)
-        floor = scores[want].min()
-        want = (bound >= floor) & ~want
-    if want.any():
-        scores[want] = bm25_scores([m[want] for m in present], idf,
-                                   await lexical_sizes(store, conn, ids[want], structure),
-                                   avgdl)
-    return scores
-
-
 async def scored_hits(store: Store, conn: AsyncConnection, scope: str, qt: Sequence[str],
                       who: Principal, *, task: str | None, session: str | None, k: int,
                       page: int, unscoped: bool
@@ -435,9 +399,9 @@ async def scored_hits(store: Store, conn: AsyncConnection, scope: str, qt: Seque
         mask[inv[at:at + len(x)]] = True
         at += len(x)
         present.append(mask)
-    idf = [fts5_idf(post.n_row, n) for n in post.n_hit]
-    scores = await _page_scores(store, conn, ids, present, idf, post.n_token / post.n_row,
-                                page, post.structure)
+    sizes = await lexical_sizes(store, conn, ids, post.structure)
+    scores = bm25_scores(present, [fts5_idf(post.n_row, n) for n in post.n_hit], sizes,
+                         post.n_token / post.n_row)
     order = np.lexsort((ids, -scores))[:page]
     page_ids = ids[order].tolist()
     page_scores = scores[order].tolist()

@@ -15,7 +15,6 @@ from sqlalchemy import delete
 from ledger import schema as t
 from ledger.store import Store
 from projections import lexical, reads
-from projections import sql as sql_module
 from projections.lexical import docid, scope_term, search, terms
 from projections.sql import _docsizes, _varints, lexical_insert
 
@@ -188,26 +187,3 @@ def test_docsize_decoding_sums_each_rows_varints(rows: list[tuple[int, list[int]
     assert ids.tolist() == [d for d, _ in rows]
     assert sizes.tolist() == [float(sum(_varints(b))) for _, b in raw]
     assert sizes.tolist() == [float(sum(cols)) for _, cols in rows]
-
-
-async def test_rows_that_cannot_reach_the_page_are_not_sized(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A query's first recall reads the sizes of the rows that can be among the best
-    page only (`lexical._page_scores`): entries holding just a term most of the corpus
-    holds cannot outrank a page of entries holding a rarer one as well, whatever their
-    sizes. The ranking is still FTS5's, row for row."""
-    if store.dialect != "sqlite":
-        pytest.skip("FTS5 is SQLite's")
-    monkeypatch.setattr(lexical, "MIN_DF_DOCS", 10_000)  # keep the common term
-    filler = ["kiwi", "mango", "tea", "gift", "budget", "python"]
-    entries = [(0, "long", "T1", ["order", *(["refund"] if i % 20 == 0 else []),
-                                  *filler[:i % 7]]) for i in range(400)]
-    await index(store, rows_of(entries))
-    sql_sizes = sql_module._SIZES
-    sql_sizes.clear()
-    fts5, mine = await both(store, PRINCIPALS[0], "refund order", 3, task=None,
-                            session=None, monkeypatch=monkeypatch)
-    assert mine == fts5
-    assert [m for m, _ in mine] and all(int(m[1:]) % 20 == 0 for m, _ in mine)
-    sized = sum(len(s.ids) for s in sql_sizes.values())
-    assert 0 < sized < 400 // 20 * 2  # the refund entries (and a page), not all 400
