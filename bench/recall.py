@@ -22,13 +22,14 @@ database), and after a restart with the snapshot a recall wrote.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
 import sqlite3
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -208,6 +209,26 @@ async def cold_recalls(store: Store, path: Path, asks: Sequence[tuple[str, str]]
         CACHE.snapshot_loads - mapped
 
 
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[list[tuple[int, float]]]:
+    """The garbage collector's runs during the block: (generation, milliseconds) each
+    (`gc.callbacks`), to tell its pauses apart from recall's own work in the tail."""
+    out: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            out.append((int(info["generation"]), (time.perf_counter() - started[0]) * 1000))
+
+    gc.callbacks.append(seen)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(seen)
+
+
 def _asks(rng: random.Random, n: int, users: int) -> list[tuple[str, str]]:
     queries = [q["query"] for q in fixture()["queries"]]
     return [(f"u{rng.randrange(users)}", rng.choice(queries)) for _ in range(n)]
@@ -238,7 +259,8 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
         asks = _asks(rng, asks_n, users)
         say(f"{label}: {asks_n:,} recalls, warm")
         warm_cpu: list[float] = []
-        warm = await pipeline_latencies(store, asks, warm_cpu)
+        with gc_pauses() as pauses:
+            warm = await pipeline_latencies(store, asks, warm_cpu)
         reloads = CACHE.loads - loads
         say(f"{label}: 20 x (own write, project, recall)")
         patched = []
@@ -267,22 +289,29 @@ async def scenario(d: Path, label: str, n: int, users: int, asks_n: int, raw_n: 
     # term counts (cached per store while the index is unchanged): split out, so the
     # two costs are seen apart (they are both in p99).
     seen: set[str] = set()
-    firsts: list[bool] = []
+    is_first: list[bool] = []
     for _, q in asks:
-        firsts.append(q not in seen)
+        is_first.append(q not in seen)
         seen.add(q)
-    first_ms = [w for w, f in zip(warm, firsts, strict=True) if f]
-    again_ms = [w for w, f in zip(warm, firsts, strict=True) if not f]
+    first_ms = [w for w, f in zip(warm, is_first, strict=True) if f]
+    again_ms = [w for w, f in zip(warm, is_first, strict=True) if not f]
+    first_cpu = [c for c, f in zip(warm_cpu, is_first, strict=True) if f]
+    again_cpu = [c for c, f in zip(warm_cpu, is_first, strict=True) if not f]
     split = (f"; {len(first_ms)} of them a query's first in this store: p50 "
-             f"{percentile(first_ms, 50):.1f} / p99 {percentile(first_ms, 99):.1f} ms, the "
+             f"{percentile(first_ms, 50):.1f} / p99 {percentile(first_ms, 99):.1f} ms "
+             f"(CPU {percentile(first_cpu, 50):.1f} / {percentile(first_cpu, 99):.1f}), the "
              f"other {len(again_ms)}: p50 {percentile(again_ms, 50):.1f} / p99 "
-             f"{percentile(again_ms, 99):.1f} ms" if users == 1 and first_ms and again_ms
+             f"{percentile(again_ms, 99):.1f} ms (CPU {percentile(again_cpu, 50):.1f} / "
+             f"{percentile(again_cpu, 99):.1f})" if users == 1 and first_ms and again_ms
              else "")
+    full = [ms for gen, ms in pauses if gen == 2]
+    collected = (f"; collector during them: {len(pauses)} collections, {len(full)} full"
+                 + (f" (longest {max(full):.1f} ms)" if full else ""))
     out.append(result(f"recall p99, {n // 1000}k memories / {users:,} user(s)", p99, "ms",
                       percentile(raw, 99), "ms",
                       f"{len(warm):,} warm recalls{target}; CPU per recall p50 "
                       f"{percentile(warm_cpu, 50):.1f} ms, p99 "
-                      f"{percentile(warm_cpu, 99):.1f} ms{split}; load average "
+                      f"{percentile(warm_cpu, 99):.1f} ms{split}{collected}; load average "
                       f"{load:.1f} on {os.cpu_count()} CPUs"))
     def cold_target(samples: list[float]) -> str:
         met = "met" if percentile(samples, 50) < 100 else "MISSED"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any, Final
 
 import numpy as np
@@ -47,22 +48,32 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
     """Overrides, then priority and rank order: [(row, relevance, reason)]."""
     by_key: dict[tuple[str, str], list[Any]] = {}
     for r in rows:
-        by_key.setdefault((r.ns_path, r.mkey), []).append(r)
-    out: list[tuple[Any, float, str]] = []
-    kinds: dict[str, str] = {}  # each winner's source kind, parsed once
+        k = (r.ns_path, r.mkey)
+        got = by_key.get(k)
+        if got is None:
+            by_key[k] = [r]
+        else:
+            got.append(r)
+    # (rank key, source order, result) per winner: the keys computed once each.
+    keyed: list[tuple[tuple[int, float, float], bytes, tuple[Any, float, str]]] = []
     for group in by_key.values():
-        group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
-        win = group[0]
-        c = cands.get(win.memory_id, Candidate(0.0, SEMANTIC))
-        rel = max(cands[r.memory_id].relevance if r.memory_id in cands else 0.0
-                  for r in group)
-        basis = c.basis if c.relevance >= rel else next(
-            cands[r.memory_id].basis for r in group
-            if r.memory_id in cands and cands[r.memory_id].relevance == rel)
+        if len(group) == 1:  # most groups: no override, the row's own candidate
+            win = group[0]
+            c = cands.get(win.memory_id)
+            rel, basis = (c.relevance, c.basis) if c is not None else (0.0, SEMANTIC)
+        else:
+            group.sort(key=lambda r: reads.LAYER_RANK[r.layer])
+            win = group[0]
+            c = cands.get(win.memory_id, Candidate(0.0, SEMANTIC))
+            rel = max(cands[r.memory_id].relevance if r.memory_id in cands else 0.0
+                      for r in group)
+            basis = c.basis if c.relevance >= rel else next(
+                cands[r.memory_id].basis for r in group
+                if r.memory_id in cands and cands[r.memory_id].relevance == rel)
         if win.layer == "long" and has_query and rel < MIN_RELEVANCE:
             continue
         reason = [f"{basis} {rel:.2f}" if basis in SCORED else basis]
-        lower = [r.layer for r in group[1:]]
+        lower = len(group) > 1
         if win.layer == "session":
             reason.append("current session memory"
                           + (", overrides the stored value for this turn (R27)"
@@ -75,15 +86,16 @@ def rank(rows: Sequence[Any], cands: dict[str, Candidate], has_query: bool
             reason.append("long-term memory")
         if win.layer == "long" and (win.version > 1 or win.supersedes):
             reason.append(f"correction (version {win.version})")
-        kind = kinds[win.memory_id] = _source_kind(win)
+        kind = _source_kind(win)
         reason.append(f"source {kind}")
-        out.append((win, rel, "; ".join(reason)))
+        keyed.append(((_tier(win), -round(rel, RELEVANCE_DIGITS),
+                       -RELIABILITY.get(kind, 0.5)), bytes(win.order_key),
+                      (win, rel, "; ".join(reason))))
     # Recency (source order, newest first) only breaks ties left by relevance and then
     # by source reliability (R19); both sorts are stable.
-    out.sort(key=lambda x: bytes(x[0].order_key), reverse=True)
-    out.sort(key=lambda x: (_tier(x[0]), -round(x[1], RELEVANCE_DIGITS),
-                            -RELIABILITY.get(kinds[x[0].memory_id], 0.5)))
-    return out
+    keyed.sort(key=itemgetter(1), reverse=True)
+    keyed.sort(key=itemgetter(0))
+    return [x[2] for x in keyed]
 
 
 def _source_kind(r: Any) -> str:
