@@ -40,7 +40,14 @@ from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_share, for_update, insert_ignore, prepared, step_facts
+from projections.sql import (
+    catch_up_batch,
+    for_share,
+    for_update,
+    insert_ignore,
+    prepared,
+    step_facts,
+)
 
 log = structlog.get_logger("memledger.projections")
 
@@ -52,6 +59,8 @@ ERASING: Final = ("erasure", "history")
 #: A step of a projection that names its event types reads up to `batch_size` of them
 #: within this many times `batch_size` positions (`Runner._step_all`).
 SPARSE_SPAN: Final = 32
+#: Events per batch (per transaction) when the runner is given no `batch_size`.
+DEFAULT_BATCH: Final = 1000
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"
@@ -109,10 +118,13 @@ class Runner:
     """Runs projections: one batch per call of `step`, or until caught up."""
 
     def __init__(self, store: Store, projections: Sequence[Projection] | None = None,
-                 batch_size: int = 1000, *, retry_upgraded: bool = True) -> None:
+                 batch_size: int | None = None, *, retry_upgraded: bool = True) -> None:
         self.store = store
         self.projections = list(projections or default_projections())
-        self.batch_size = batch_size
+        self.batch_size = batch_size or DEFAULT_BATCH
+        #: The steps of `catch_up` (a backlog): `batch_size` when given, else the
+        #: backend's (`projections.sql.catch_up_batch`).
+        self.catch_up_size = batch_size or catch_up_batch(store, DEFAULT_BATCH)
         #: Retry, on a projection's first step, what another code version quarantined.
         self.retry_upgraded = retry_upgraded
         self._checked: set[str] = set()  # projections whose quarantine was looked at
@@ -471,7 +483,7 @@ class Runner:
             for proj in group:
                 n = 0
                 while True:
-                    got = await self.step(proj, head)
+                    got = await self.step(proj, head, self.catch_up_size)
                     n += got
                     # at `head` already: no second transaction to find nothing left
                     if got == 0 or self._left.get(proj.name, -1) >= head:
