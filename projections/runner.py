@@ -20,6 +20,7 @@ the rest and moves the checkpoint (docs/projections.md#quarantine).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import time
@@ -134,6 +135,10 @@ class Runner:
         #: beside runners of other shards (`workers.leases` keeps it to the leases held).
         self.owned: frozenset[int] | None = None
         self._reclaim = False  # an erasure batch ran: reclaim after its commit
+        #: Inside `catch_up`'s steps: the statistics refresh left running beside the
+        #: next step (`_note_growth`), if any; outside them it is awaited.
+        self._beside = False
+        self._growth: asyncio.Future[None] | None = None
         #: The checkpoint a projection's last `step` left, where that step read it
         #: (`_step_all`): `catch_up` stops there without a step that moves nothing.
         self._left: dict[str, int] = {}
@@ -158,11 +163,28 @@ class Runner:
         if moved:
             # Counted as events applied (about a row each): the planner's statistics of a
             # fast-growing view are refreshed before its IN-list lookups turn into scans.
-            await self.store.recorder.note_growth([tb.name for tb in proj.tables], moved)
+            await self._note_growth([tb.name for tb in proj.tables], moved)
         if proj.name in self._stale:
             self._stale.discard(proj.name)
             await self.retry_quarantined([proj.name], stale_only=True)
         return moved
+
+    async def _note_growth(self, tables: list[str], moved: int) -> None:
+        """`note_growth` after a step: awaited, or, inside `catch_up`, run beside the
+        next step (a statistics refresh is an ANALYZE on a connection of its own, which
+        PostgreSQL runs while the next batch is applied; the next refresh, and the end
+        of the catch-up, wait for it first, so refreshes never overlap one another)."""
+        if not self._beside:
+            await self.store.recorder.note_growth(tables, moved)
+            return
+        await self._growth_done()
+        self._growth = asyncio.ensure_future(self.store.recorder.note_growth(tables, moved))
+
+    async def _growth_done(self) -> None:
+        """Wait for the statistics refresh `_note_growth` left running, if any."""
+        task, self._growth = self._growth, None
+        if task is not None:
+            await task
 
     async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
         if self.owned is not None:
@@ -482,12 +504,17 @@ class Runner:
                 continue
             for proj in group:
                 n = 0
-                while True:
-                    got = await self.step(proj, head, self.catch_up_size)
-                    n += got
-                    # at `head` already: no second transaction to find nothing left
-                    if got == 0 or self._left.get(proj.name, -1) >= head:
-                        break
+                self._beside = True  # each step's statistics refresh beside the next
+                try:
+                    while True:
+                        got = await self.step(proj, head, self.catch_up_size)
+                        n += got
+                        # at `head` already: no second transaction to find nothing left
+                        if got == 0 or self._left.get(proj.name, -1) >= head:
+                            break
+                finally:
+                    self._beside = False
+                    await self._growth_done()
                 applied[proj.name] += n
         self._snapshots_after(applied)
         return applied
