@@ -20,6 +20,7 @@ the rest and moves the checkpoint (docs/projections.md#quarantine).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import time
@@ -40,7 +41,14 @@ from projections.erasure import FORGETS
 from projections.protocol import BulkLoadable, Projection
 from projections.quarantine import Failure, is_poison
 from projections.registry import default_projections
-from projections.sql import for_share, for_update, insert_ignore, prepared, step_facts
+from projections.sql import (
+    catch_up_batch,
+    for_share,
+    for_update,
+    insert_ignore,
+    prepared,
+    step_facts,
+)
 
 log = structlog.get_logger("memledger.projections")
 
@@ -52,6 +60,8 @@ ERASING: Final = ("erasure", "history")
 #: A step of a projection that names its event types reads up to `batch_size` of them
 #: within this many times `batch_size` positions (`Runner._step_all`).
 SPARSE_SPAN: Final = 32
+#: Events per batch (per transaction) when the runner is given no `batch_size`.
+DEFAULT_BATCH: Final = 1000
 #: `meta` rows marking a rebuild in progress: `rebuild:<projection name>` (`replay
 #: rebuild` sets them; a bulk load's last step removes its projection's).
 REBUILD_MARKER: Final = "rebuild:"
@@ -109,10 +119,13 @@ class Runner:
     """Runs projections: one batch per call of `step`, or until caught up."""
 
     def __init__(self, store: Store, projections: Sequence[Projection] | None = None,
-                 batch_size: int = 1000, *, retry_upgraded: bool = True) -> None:
+                 batch_size: int | None = None, *, retry_upgraded: bool = True) -> None:
         self.store = store
         self.projections = list(projections or default_projections())
-        self.batch_size = batch_size
+        self.batch_size = batch_size or DEFAULT_BATCH
+        #: The steps of `catch_up` (a backlog): `batch_size` when given, else the
+        #: backend's (`projections.sql.catch_up_batch`).
+        self.catch_up_size = batch_size or catch_up_batch(store, DEFAULT_BATCH)
         #: Retry, on a projection's first step, what another code version quarantined.
         self.retry_upgraded = retry_upgraded
         self._checked: set[str] = set()  # projections whose quarantine was looked at
@@ -122,6 +135,10 @@ class Runner:
         #: beside runners of other shards (`workers.leases` keeps it to the leases held).
         self.owned: frozenset[int] | None = None
         self._reclaim = False  # an erasure batch ran: reclaim after its commit
+        #: Inside `catch_up`'s steps: the statistics refresh left running beside the
+        #: next step (`_note_growth`), if any; outside them it is awaited.
+        self._beside = False
+        self._growth: asyncio.Future[None] | None = None
         #: The checkpoint a projection's last `step` left, where that step read it
         #: (`_step_all`): `catch_up` stops there without a step that moves nothing.
         self._left: dict[str, int] = {}
@@ -146,11 +163,28 @@ class Runner:
         if moved:
             # Counted as events applied (about a row each): the planner's statistics of a
             # fast-growing view are refreshed before its IN-list lookups turn into scans.
-            await self.store.recorder.note_growth([tb.name for tb in proj.tables], moved)
+            await self._note_growth([tb.name for tb in proj.tables], moved)
         if proj.name in self._stale:
             self._stale.discard(proj.name)
             await self.retry_quarantined([proj.name], stale_only=True)
         return moved
+
+    async def _note_growth(self, tables: list[str], moved: int) -> None:
+        """`note_growth` after a step: awaited, or, inside `catch_up`, run beside the
+        next step (a statistics refresh is an ANALYZE on a connection of its own, which
+        PostgreSQL runs while the next batch is applied; the next refresh, and the end
+        of the catch-up, wait for it first, so refreshes never overlap one another)."""
+        if not self._beside:
+            await self.store.recorder.note_growth(tables, moved)
+            return
+        await self._growth_done()
+        self._growth = asyncio.ensure_future(self.store.recorder.note_growth(tables, moved))
+
+    async def _growth_done(self) -> None:
+        """Wait for the statistics refresh `_note_growth` left running, if any."""
+        task, self._growth = self._growth, None
+        if task is not None:
+            await task
 
     async def _step(self, proj: Projection, upto: int | None, size: int) -> int:
         if self.owned is not None:
@@ -470,12 +504,17 @@ class Runner:
                 continue
             for proj in group:
                 n = 0
-                while True:
-                    got = await self.step(proj, head)
-                    n += got
-                    # at `head` already: no second transaction to find nothing left
-                    if got == 0 or self._left.get(proj.name, -1) >= head:
-                        break
+                self._beside = True  # each step's statistics refresh beside the next
+                try:
+                    while True:
+                        got = await self.step(proj, head, self.catch_up_size)
+                        n += got
+                        # at `head` already: no second transaction to find nothing left
+                        if got == 0 or self._left.get(proj.name, -1) >= head:
+                            break
+                finally:
+                    self._beside = False
+                    await self._growth_done()
                 applied[proj.name] += n
         self._snapshots_after(applied)
         return applied

@@ -71,14 +71,16 @@ class MemoryProjection:
         slot_list = sorted(slots)
         existing: dict[str, list[WriteFact]] = {}
         new_ids = {(w.tenant, w.memory_id) for w in writes}
+        stored: set[str] = set()  # the slots that hold rows now (a new slot holds none)
         for chunk in batches(conn, slot_list):
             for r in (await conn.execute(_rows_of_slots(conn), {"slots": list(chunk)})).all():
+                stored.add(r.slot)
                 if (r.tenant, r.memory_id) not in new_ids:
                     existing.setdefault(r.slot, []).append(fact_from_row(r))
         for w in writes:
             existing.setdefault(w.slot, []).append(w)
         rows = await resolve_slots(conn, existing, tombs)
-        for chunk in batches(conn, slot_list, 500):
+        for chunk in batches(conn, sorted(stored), 500):
             await conn.execute(_delete_slots(conn), {"slots": list(chunk)})
         await insert_rows(store, conn, t.mem_versions, rows)
 
