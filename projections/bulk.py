@@ -456,6 +456,18 @@ async def history_sql_end(conn: AsyncConnection) -> None:
     await conn.run_sync(_HISTORY_REST.drop, checkfirst=True)
 
 
+async def drop_indexes(conn: AsyncConnection, table: Table) -> None:
+    """Drop a view table's secondary indexes for a SQLite load into it (built once at
+    its end, `create_indexes`: far fewer page writes than keeping them row by row)."""
+    for ix in table.indexes:
+        await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+
+
+async def create_indexes(conn: AsyncConnection, table: Table) -> None:
+    """Build the secondary indexes `drop_indexes` dropped."""
+    await conn.run_sync(_create_indexes, (table,))
+
+
 def _create_indexes(sync_conn: Any, tables: Sequence[Table]) -> None:
     for table in tables:
         for ix in table.indexes:
@@ -515,6 +527,7 @@ async def lexical_load_start(store: Store, conn: AsyncConnection) -> bool:
     if not bulk_sql_possible(store):
         return False
     await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ai")
+    await drop_indexes(conn, t.lexical_docs)
     return True
 
 
@@ -528,6 +541,7 @@ async def lexical_fts_step(conn: AsyncConnection, after: int | None) -> int | No
         "ORDER BY docid LIMIT ?)", (lo, FTS_LOAD_ROWS))).scalar()
     if last is None:
         await conn.run_sync(_lexical_triggers)
+        await conn.run_sync(_create_indexes, (t.lexical_docs,))
         return None
     await conn.exec_driver_sql(
         f"INSERT INTO {t.LEXICAL_FTS}(rowid, scope, terms) SELECT docid, scope, terms "

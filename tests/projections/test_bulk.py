@@ -80,9 +80,11 @@ async def test_bulk_load_equals_event_by_event(tmp_path: Path, seed: int, n: int
         for name in ("memories", "tasks", "vectors", "history"):
             assert await _bulk_state(store, name) is None
             assert await _checkpoint(store, name) == head
-        # The history's load dropped its secondary indexes and built them again.
-        assert await _sqlite_indexes(store, "mem_history") == {
-            ix.name for ix in t.mem_history.indexes}
+        # The loads of the history, the index and the lexical index dropped their
+        # secondary indexes and built them again.
+        for table in (t.mem_history, t.vectors, t.lexical_docs):
+            assert await _sqlite_indexes(store, table.name) == {
+                ix.name for ix in table.indexes}
     finally:
         await store.close()
 
