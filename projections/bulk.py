@@ -21,7 +21,10 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
 - tasks: `notes` (task events into `task_notes`), then `tasks` (a range of task keys
   per step, summarised by `projections.task_rows.summarize_tasks`);
 - vectors (`projections.vectors`): active memories, then open tasks, read from the
-  views once they have reached the head, embedded in large batches.
+  views once they have reached the head, embedded in large batches;
+- history (`projections.history`): on SQLite `reach` (the writes tombstones may reach,
+  listed), `plain` (the plain slots' rows by SQL, vectors copied from the index), then
+  `slots` (the rest, resolved in Python; elsewhere every slot).
 
 Memory stays bounded by a step whatever the ledger size. Each step commits with its
 progress (`meta` row `<projection>.bulk`, JSON: `projections.runner.read_bulk_state`)

@@ -241,7 +241,9 @@ class HistoryProjection:
         event-by-event projection resolves it at those of a batch, so the rows are the
         same; rows are written closed where they end, and redacted where any forget up
         to the head covers them (what the forget's own batch does to them). On SQLite
-        the view's secondary indexes are dropped for the load and built at its end."""
+        the view's secondary indexes are dropped for the load and built at its end, and
+        phases `reach` and `plain` write the plain slots by SQL first
+        (`projections.bulk.history_plain_step`); `slots` then resolves the rest."""
         ev = t.events.c
         if "after" not in state:
             done = await checkpoint(conn, MEMORIES)
