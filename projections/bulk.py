@@ -21,7 +21,10 @@ each slot, task or index entry exactly once, in *phases*, each a series of steps
 - tasks: `notes` (task events into `task_notes`), then `tasks` (a range of task keys
   per step, summarised by `projections.task_rows.summarize_tasks`);
 - vectors (`projections.vectors`): active memories, then open tasks, read from the
-  views once they have reached the head, embedded in large batches.
+  views once they have reached the head, embedded in large batches;
+- history (`projections.history`): on SQLite `reach` (the writes tombstones may reach,
+  listed), `plain` (the plain slots' rows by SQL, vectors copied from the index), then
+  `slots` (the rest, resolved in Python; elsewhere every slot).
 
 Memory stays bounded by a step whatever the ledger size. Each step commits with its
 progress (`meta` row `<projection>.bulk`, JSON: `projections.runner.read_bulk_state`)
@@ -59,7 +62,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ledger import schema as t
 from ledger.events import CANDIDATE_KINDS, MEMORY_WRITES, TASK_TYPES, encode_json
-from ledger.forgets import tombstone_from_row
+from ledger.forgets import covers_sql, tombstone_from_row
 from ledger.recorder import STORED_COLUMNS
 from ledger.records import stored_from_row
 from ledger.store import Store
@@ -355,6 +358,119 @@ async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
     return progressed(state, len(tombs))
 
 
+# -- history (SQLite) ---------------------------------------------------------------------
+#
+# A plain slot (as above: one write up to the head, nothing marks it, content present and
+# not suppressed, no expiry) that no tombstone up to the head reaches has one history
+# row: the row `resolve_slot` computes at its write's position, open (`valid_to` NULL),
+# unredacted, with the vector index's entry of the memory when it is active (what
+# `projections.history._embed` takes first). `INSERT ... SELECT` writes it with the
+# vector copied inside SQLite; every other write is listed in `_HISTORY_REST`, whose
+# slots the history's Python path then resolves as before. An active plain memory the
+# index lacks (by the ledger's embedder) is left to Python, which embeds it.
+
+#: The writes the history's SQL path left to Python, by slot (dropped at the end of
+#: the load). Filled first with the writes a tombstone up to the head may reach.
+_HISTORY_REST: Final = Table(
+    "bulk_history_rest", MetaData(),
+    Column("slot", String(32), nullable=False),
+    Column("position", BigInteger, nullable=False),
+    PrimaryKeyConstraint("slot", "position"),
+    sqlite_with_rowid=False,
+)
+_HISTORY_COLUMNS: Final = (*_PLAIN_ROW, "valid_from", "valid_to", "redacted", "model",
+                           "vector")
+assert set(_HISTORY_COLUMNS) == {c.name for c in t.mem_history.c}, "mem_history changed"
+_HISTORY_SELECT: Final = (
+    f"{_PLAIN_SELECT}, e.position, NULL, 0, "
+    f"CASE WHEN {_CANDIDATE_SQL} THEN NULL ELSE x.model END, "
+    f"CASE WHEN {_CANDIDATE_SQL} THEN NULL ELSE x.vector END")
+
+
+async def history_sql_start(conn: AsyncConnection) -> bool:
+    """Before the history's load on SQLite: whether its SQL path applies (the plain rows
+    are computed as Python computes them); if so, its scratch table is made afresh."""
+    if not await sql_rows_supported(conn):
+        return False
+    await conn.run_sync(_HISTORY_REST.drop, checkfirst=True)
+    await conn.run_sync(_HISTORY_REST.create)
+    return True
+
+
+async def history_reach_step(conn: AsyncConnection, head: int, after: int, size: int
+                             ) -> int | None:
+    """List in `_HISTORY_REST` the writes up to `head` of up to `size` tombstones after
+    position `after` may reach (whatever the order: a superset, as a batch looks);
+    returns the last tombstone's position, or None when there were no more."""
+    tc, ev = t.tombstones.c, t.events.c
+    tombs = (await conn.execute(select(t.tombstones).where(
+        tc.position > after, tc.position <= head).order_by(tc.position).limit(size))).all()
+    for row in tombs:
+        ts = tombstone_from_row(row)
+        reached = select(ev.slot, ev.position).where(
+            ev.type.in_(tuple(MEMORY_WRITES)), ev.position <= head,
+            covers_sql(ts, ev, order_key=None))
+        await conn.execute(_HISTORY_REST.insert().prefix_with("OR IGNORE").from_select(
+            ["slot", "position"], reached))
+    return int(tombs[-1].position) if tombs else None
+
+
+async def history_plain_step(conn: AsyncConnection, head: int, after: int, size: int,
+                             model: str) -> tuple[int, int]:
+    """Write the history rows of the plain slots among the writes of a range of
+    positions after `after` (the ledger read in its own order), list the other writes
+    in `_HISTORY_REST`; returns (the range's end, rows written). `model`: the ledger's
+    embedder, whose index entries are the rows' vectors."""
+    hi = min(after + min(SCAN_SPAN, 4 * size), head)
+    where = (f"e.position > ? AND e.position <= ? AND e.type IN {_WRITES_SQL} "
+             "AND e.slot > ''")
+    res = await conn.exec_driver_sql(
+        f"INSERT INTO mem_history ({', '.join(_HISTORY_COLUMNS)}) SELECT {_HISTORY_SELECT} "
+        "FROM events AS e LEFT JOIN vectors AS x ON x.tenant = e.tenant "
+        "AND x.item_id = e.memory_id AND x.kind = 'memory' AND x.model = ? "
+        f"WHERE {where} AND ({_CANDIDATE_SQL} OR x.vector IS NOT NULL) AND {_PLAIN_SLOT} "
+        f"AND NOT EXISTS (SELECT 1 FROM {_HISTORY_REST.name} AS r WHERE r.slot = e.slot)",
+        (model, after, hi, head))
+    # Each memory id is written once: a write whose id has no row is one SQL left.
+    await conn.exec_driver_sql(
+        f"INSERT OR IGNORE INTO {_HISTORY_REST.name} (slot, position) "
+        f"SELECT e.slot, e.position FROM events AS e WHERE {where} AND NOT EXISTS "
+        "(SELECT 1 FROM mem_history AS h WHERE h.tenant = e.tenant "
+        "AND h.memory_id = e.memory_id)", (after, hi))
+    return hi, int(res.rowcount)
+
+
+async def history_rest_slots(conn: AsyncConnection, after: str, size: int
+                             ) -> tuple[list[str], bool]:
+    """The next slots after `after` that the SQL path left to Python: those of the next
+    `size` writes listed (the last slot whole), and whether any are left after them.
+    Bounded by writes, not slots: the slots left are those with many writes."""
+    r = _HISTORY_REST.c
+    bound = (await conn.execute(select(r.slot).where(r.slot > after).order_by(r.slot)
+                                .offset(size - 1).limit(1))).scalar()
+    q = select(r.slot).where(r.slot > after).distinct().order_by(r.slot)
+    if bound is not None:
+        q = q.where(r.slot <= bound)
+    return [x[0] for x in (await conn.execute(q))], bound is not None
+
+
+async def history_sql_end(conn: AsyncConnection) -> None:
+    """Drop the history's scratch table at the end of its load."""
+    await conn.run_sync(_HISTORY_REST.drop, checkfirst=True)
+
+
+async def drop_indexes(conn: AsyncConnection, table: Table) -> None:
+    """Drop a view table's secondary indexes for a SQLite load into it (built once at
+    its end, `create_indexes`: far fewer page writes than keeping them row by row)."""
+    for ix in table.indexes:
+        await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+
+
+async def create_indexes(conn: AsyncConnection, table: Table) -> None:
+    """Build the secondary indexes `drop_indexes` dropped."""
+    await conn.run_sync(_create_indexes, (table,))
+
+
 def _create_indexes(sync_conn: Any, tables: Sequence[Table]) -> None:
     for table in tables:
         for ix in table.indexes:
@@ -369,6 +485,8 @@ def restore_shape(sync_conn: Any, name: str, tables: Sequence[Table]) -> None:
     _create_indexes(sync_conn, tables)
     if name == "memories":
         _REST.drop(sync_conn, checkfirst=True)
+    if t.mem_history in tables:
+        _HISTORY_REST.drop(sync_conn, checkfirst=True)
     if t.lexical_docs in tables and sync_conn.dialect.name == "sqlite":
         _lexical_triggers(sync_conn)
 
@@ -412,6 +530,7 @@ async def lexical_load_start(store: Store, conn: AsyncConnection) -> bool:
     if not bulk_sql_possible(store):
         return False
     await conn.exec_driver_sql("DROP TRIGGER IF EXISTS lexical_docs_ai")
+    await drop_indexes(conn, t.lexical_docs)
     return True
 
 
@@ -425,6 +544,7 @@ async def lexical_fts_step(conn: AsyncConnection, after: int | None) -> int | No
         "ORDER BY docid LIMIT ?)", (lo, FTS_LOAD_ROWS))).scalar()
     if last is None:
         await conn.run_sync(_lexical_triggers)
+        await conn.run_sync(_create_indexes, (t.lexical_docs,))
         return None
     await conn.exec_driver_sql(
         f"INSERT INTO {t.LEXICAL_FTS}(rowid, scope, terms) SELECT docid, scope, terms "

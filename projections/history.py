@@ -44,7 +44,7 @@ from ledger.recorder import STORED_COLUMNS
 from ledger.records import StoredEvent, stored_from_row
 from ledger.store import Store
 from ledger.vault import keyed
-from projections import rounds
+from projections import bulk, rounds
 from projections.embed_cache import embed_items, lookup
 from projections.embedding import is_cached
 from projections.memory import WRITE_COLUMNS, Mark, WriteFact, marks_of, resolve_slot
@@ -241,7 +241,9 @@ class HistoryProjection:
         event-by-event projection resolves it at those of a batch, so the rows are the
         same; rows are written closed where they end, and redacted where any forget up
         to the head covers them (what the forget's own batch does to them). On SQLite
-        the view's secondary indexes are dropped for the load and built at its end."""
+        the view's secondary indexes are dropped for the load and built at its end, and
+        phases `reach` and `plain` write the plain slots by SQL first
+        (`projections.bulk.history_plain_step`); `slots` then resolves the rest."""
         ev = t.events.c
         if "after" not in state:
             done = await checkpoint(conn, MEMORIES)
@@ -249,22 +251,48 @@ class HistoryProjection:
             if bulk_sql_possible(store):  # SQLite: the indexes are built at the end
                 for ix in t.mem_history.indexes:
                     await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+                if int(state["head"]) > 0 and await bulk.history_sql_start(conn):
+                    state.update(phase="reach", after=0, sql=True)
         head, done = int(state["head"]), int(state["done"])
-        # From the ledger, not from `mem_versions`: a write the memories view
-        # quarantined has no row there, and this view applies it all the same.
-        slots = [r[0] for r in (await conn.execute(
-            select(ev.slot).where(ev.slot > str(state["after"]),
-                                  ev.type.in_(sorted(MEMORY_WRITES)), ev.position <= head)
-            .distinct().order_by(ev.slot).limit(size))).all()] if head > 0 else []
+        phase = state.get("phase", "slots")
+        if phase == "reach":  # the writes tombstones may reach: left to Python
+            last = await bulk.history_reach_step(conn, head, int(state["after"]), size)
+            if last is not None:
+                state["after"] = last
+                return progressed(state, 1)
+            state.update(phase="plain", after=0)
+            return progressed(state, 1)
+        if phase == "plain":
+            # The ledger's embedder, as `_embed` names the vectors it takes.
+            model = embedder_named((await resolve_embedder(conn))[0]).name
+            hi, n = await bulk.history_plain_step(conn, head, int(state["after"]), size,
+                                                  model)
+            if hi < head:
+                state["after"] = hi
+            else:
+                state.update(phase="slots", after="")
+            return progressed(state, n)
+        if state.get("sql"):  # the slots the SQL path left
+            slots, more = await bulk.history_rest_slots(conn, str(state["after"]), size)
+        else:
+            # From the ledger, not from `mem_versions`: a write the memories view
+            # quarantined has no row there, and this view applies it all the same.
+            slots = [r[0] for r in (await conn.execute(
+                select(ev.slot).where(ev.slot > str(state["after"]),
+                                      ev.type.in_(sorted(MEMORY_WRITES)), ev.position <= head)
+                .distinct().order_by(ev.slot).limit(size))).all()] if head > 0 else []
+            more = len(slots) == size
         if slots:
             changes = _Changes()
             await _resolve(conn, slots, None, None, None, head, done, changes, store)
             await _embed(store, conn, changes.rows)
             await insert_rows(store, conn, t.mem_history, changes.rows)
-        if len(slots) == size:
+        if more:
             state["after"] = slots[-1]
             return progressed(state, len(slots))
         await conn.run_sync(_create_indexes)
+        if state.get("sql"):
+            await bulk.history_sql_end(conn)
         return finished(state)
 
     async def apply(self, store: Store, conn: AsyncConnection,

@@ -38,6 +38,7 @@ Query terms in more than `MAX_DF_FRACTION` of the entries are dropped before mat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -122,14 +123,15 @@ _TERM: Final = re.compile(
 
 def _ordered_terms(text: str) -> list[str]:
     out: list[str] = []
-    for m in _TERM.finditer(unicodedata.normalize("NFKC", text).casefold()):
-        tok = m.group()
-        if m.lastgroup == "cjk" and len(tok) > 1:
-            out.extend(tok[i:i + 2] for i in range(len(tok) - 1))
-        elif m.lastgroup == "lat":
-            out.append(light_stem(tok))
+    # `findall` gives each match's (latin, cjk) groups, one of them empty: the same
+    # matches as `finditer`, without a match object each.
+    for lat, cjk in _TERM.findall(unicodedata.normalize("NFKC", text).casefold()):
+        if lat:
+            out.append(light_stem(lat))
+        elif len(cjk) > 1:
+            out.extend(cjk[i:i + 2] for i in range(len(cjk) - 1))
         else:
-            out.append(tok)
+            out.append(cjk)
     return out
 
 
@@ -143,6 +145,7 @@ def query_terms(text: str) -> list[str]:
     return list(dict.fromkeys(_ordered_terms(text)))[:MAX_QUERY_TERMS]
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def scope_term(tenant: str, user: str) -> str:
     """The hashed principal a memory belongs to: the FTS5 filter term (no name in it)."""
     return "p" + hashlib.blake2b(f"{tenant}{SEP}{user}".encode(), digest_size=10).hexdigest()

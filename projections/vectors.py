@@ -48,7 +48,7 @@ from ledger.events import MEMORY_WRITES, TASK_TYPES
 from ledger.forgets import Tombstone, covers_sql
 from ledger.records import StoredEvent
 from ledger.store import Store
-from projections import embed_cache, matrix_snapshot, rounds, shards
+from projections import bulk, embed_cache, matrix_snapshot, rounds, shards
 from projections.embedding import (
     DEFAULT_EMBEDDER,
     EMBEDDER_NAMES,
@@ -62,6 +62,7 @@ from projections.reads import not_forgotten, task_not_forgotten
 from projections.slots import covered_slots
 from projections.sql import (
     batches,
+    bulk_sql_possible,
     in_list,
     insert_ignore,
     insert_rows,
@@ -601,6 +602,8 @@ class VectorProjection:
         if "phase" not in state:
             state.update(head=min(int(state["head"]), await _source_views_position(conn)),
                          phase="memories", after=None)
+            if bulk_sql_possible(store):  # SQLite: the index by namespace is built last
+                await bulk.drop_indexes(conn, t.vectors)
         mv, tv = t.mem_versions.c, t.tasks_view.c
         emb = await self.embedder_in(conn, store)
         if state["phase"] == "memories":
@@ -619,6 +622,8 @@ class VectorProjection:
         await insert_rows(store, conn, t.vectors,
                           await self._task_entries(store, conn, emb, rows))
         if len(rows) < size:
+            if bulk_sql_possible(store):
+                await bulk.create_indexes(conn, t.vectors)
             return finished(state)
         state["after"] = [rows[-1].tenant, rows[-1].task_key]
         return progressed(state, len(rows))

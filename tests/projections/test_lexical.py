@@ -227,3 +227,36 @@ async def test_forgotten_terms_leave_the_sqlite_files(sqlite_url: str, register_
     db = Path(sqlite_url.split(":///", 1)[1])
     blob = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
     assert b"quagmirefox" not in blob.lower()
+
+
+def _terms_match_by_match(text: str) -> list[str]:
+    """The terms read one regex match at a time (`finditer`, each match's group)."""
+    import unicodedata
+
+    from projections.embedding import light_stem
+    from projections.lexical import _TERM
+
+    out: list[str] = []
+    for m in _TERM.finditer(unicodedata.normalize("NFKC", text).casefold()):
+        tok = m.group()
+        if m.lastgroup == "cjk" and len(tok) > 1:
+            out.extend(tok[i:i + 2] for i in range(len(tok) - 1))
+        elif m.lastgroup == "lat":
+            out.append(light_stem(tok))
+        else:
+            out.append(tok)
+    return out
+
+
+_MIXED_SCRIPTS = [*"abcxyz019 ,.-éÉüß", "ﬁ", "Ａ", "中", "文", "日", "テ", "한", "국", "α", "Ж",
+                  "\u0301"]
+
+
+@given(st.text(alphabet=st.sampled_from(_MIXED_SCRIPTS), max_size=40) | st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_terms_equal_match_by_match_reading(text_: str) -> None:
+    """The tokenizer (`findall` over the two groups) gives, for any text, the terms
+    reading each match (`finditer`) gives, in order (property)."""
+    from projections.lexical import _ordered_terms
+
+    assert _ordered_terms(text_) == _terms_match_by_match(text_)
