@@ -70,6 +70,7 @@ import os
 import sqlite3
 import struct
 import threading
+import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
@@ -380,6 +381,13 @@ class KeyStore(ABC):
         (open files, connections, threads, locks another thread may have held)."""
 
 
+#: The tag byte of a key record, as indexing the file's mapping reads it.
+_K_TAG: Final = ord("K")
+#: A file key store's look for fences of destroys cut short (`FileKeyStore.revoked`)
+#: happens at most this often, in seconds.
+REVOKE_LOOK_S: Final = 0.001
+
+
 class FileKeyStore(KeyStore):
     """A binary file beside the SQLite database (`<db>.vault`), mode 0600.
 
@@ -452,6 +460,7 @@ class FileKeyStore(KeyStore):
         self._tail_ids: dict[int, list[int]] = {}
         self._tail_upto = 0
         self._pending: list[int] = []  # `F` records seen at the first read
+        self._looked = -1.0  # `time.monotonic()` of `revoked`'s last look at the file
         _PER_PROCESS.add(self)
 
     def _forked(self) -> None:
@@ -921,19 +930,28 @@ class FileKeyStore(KeyStore):
             return key
 
     def revoked(self, kid: str) -> bool:
-        """Read what other processes appended since the last look (their fences drop
-        the keys they name from what this process read, `_read_tail`), then answer as
-        `get` (an overwritten key record shows in the mapping, a fence in the index).
-        When nothing was appended this is one `fstat`: the file's size is what was read,
-        and it still has a name (a rewrite renames another file over it)."""
+        """A destroy that finished (its `destroy` returned) overwrote the key's record
+        in place, which this process's mapping of the file shows at once (`_cached`,
+        no system call; a rewrite zeroes the old file, which shows the same way). A
+        destroy cut short after its fence (its process died before the overwrite) is
+        seen by a look at the file at most `REVOKE_LOOK_S` apart: one `fstat` (the size
+        is what was read, and the file still has a name), and if either changed, the
+        records appended since (their fences drop the keys they name, `_read_tail`).
+        Then the answer is `get`'s."""
         with self._lock:
-            fd = self._fd
+            fd, now = self._fd, time.monotonic()
             if fd is None or self._width < 0:
                 self._refresh()
-            else:
+                self._looked = now
+            elif now - self._looked >= REVOKE_LOOK_S:
+                self._looked = now
                 st = os.fstat(fd)
                 if st.st_nlink == 0 or st.st_size != _HEAD_BYTES + self._n * self._rec_size():
                     self._refresh()
+            got, m = self._plain.get(kid), self._map
+            if got is not None and m is not None \
+                    and m[_HEAD_BYTES + got[0] * (_REC.size + self._width)] == _K_TAG:
+                return False  # the record it was read from still holds the key
             if self._cached(kid) is not None:
                 return False
         return self.get(kid) is None
