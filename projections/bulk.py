@@ -234,15 +234,21 @@ assert list(_PLAIN_ROW) == [c.name for c in t.mem_versions.c], "mem_versions cha
 _PLAIN_SELECT: Final = ", ".join(_PLAIN_ROW.values())
 
 
+def _slot_writes(name: str) -> Table:
+    """A scratch table of writes by slot (slot, position), for a load in progress. Not
+    in `ledger.schema`: dropped at the end of the load."""
+    return Table(
+        name, MetaData(),
+        Column("slot", String(32), nullable=False),
+        Column("position", BigInteger, nullable=False),
+        PrimaryKeyConstraint("slot", "position"),
+        sqlite_with_rowid=False,
+    )
+
+
 #: The writes the plain phase left to Python, by slot (SQL path only; dropped at the
-#: end of the load). Not in `ledger.schema`: scratch space of a load in progress.
-_REST: Final = Table(
-    "bulk_memories_rest", MetaData(),
-    Column("slot", String(32), nullable=False),
-    Column("position", BigInteger, nullable=False),
-    PrimaryKeyConstraint("slot", "position"),
-    sqlite_with_rowid=False,
-)
+#: end of the load).
+_REST: Final = _slot_writes("bulk_memories_rest")
 
 
 async def _plain_step(conn: AsyncConnection, state: State, size: int
@@ -371,13 +377,7 @@ async def _forgets_step(store: Store, conn: AsyncConnection, state: State,
 
 #: The writes the history's SQL path left to Python, by slot (dropped at the end of
 #: the load). Filled first with the writes a tombstone up to the head may reach.
-_HISTORY_REST: Final = Table(
-    "bulk_history_rest", MetaData(),
-    Column("slot", String(32), nullable=False),
-    Column("position", BigInteger, nullable=False),
-    PrimaryKeyConstraint("slot", "position"),
-    sqlite_with_rowid=False,
-)
+_HISTORY_REST: Final = _slot_writes("bulk_history_rest")
 _HISTORY_COLUMNS: Final = (*_PLAIN_ROW, "valid_from", "valid_to", "redacted", "model",
                            "vector")
 assert set(_HISTORY_COLUMNS) == {c.name for c in t.mem_history.c}, "mem_history changed"

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ledger.vault import FileKeyStore, KeyStore, PostgresKeyStore, Vault, sealed_key_id
+from tests.ledger.test_vault_keystore import LongWrap
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"WOMBAT-pin-4417"
@@ -106,17 +107,6 @@ def test_a_key_read_before_a_reconnect_is_checked_again(pg_url: str) -> None:
     running.close()
 
 
-class _LongWrap:
-    """A wrapper whose stored form is longer than the plain key (as a KMS's is)."""
-
-    name = "long"
-
-    def wrap(self, kid: str, key: bytes) -> bytes:
-        return b"\x01" * 40 + key[::-1] + b"\x02" * 50
-
-    def unwrap(self, kid: str, wrapped: bytes) -> bytes:
-        return wrapped[40:-50][::-1]
-
 
 def test_a_destroy_after_another_process_rewrote_the_file(tmp_path: Path) -> None:
     """Another process rewrote the key store (a longer wrapped key widens every record:
@@ -124,7 +114,7 @@ def test_a_destroy_after_another_process_rewrote_the_file(tmp_path: Path) -> Non
     descriptor still names the old file, which it notices (no name left) and reads the
     new one."""
     path = tmp_path / "k.vault"
-    running, other = Vault(FileKeyStore(path)), FileKeyStore(path, _LongWrap())
+    running, other = Vault(FileKeyStore(path)), FileKeyStore(path, LongWrap())
     rows = [{"type": "memory.written", "payload": SECRET}]
     running.seal_rows(rows)
     blob = rows[0]["payload"]

@@ -246,6 +246,23 @@ _TRICKY = ["", "é中🙂", "a\x01b", "\x1b", "tab\tquote\"back\\slash", "\u2028
            "expires_at", '{"expires_at": 1}']
 
 
+def _random_fields(rng: random.Random, ids: list[str], *, expiring: float
+                   ) -> tuple[str, dict[str, object]]:
+    """A random write's layer and optional fields: text, its task or session, an
+    expiry (with probability `expiring`), and sometimes a supersedes of an earlier id."""
+    layer = rng.choice(["long", "long", "task", "session"])
+    extra: dict[str, object] = {"text": rng.choice(_TRICKY) or None}
+    if layer == "task":
+        extra["task_key"] = "T1"
+    if layer == "session":
+        extra["session_id"] = "C17"
+    if rng.random() < expiring:
+        extra["expires_at"] = "2026-10-01T00:00:00Z"
+    if rng.random() < 0.15 and ids:
+        extra["supersedes"] = rng.choice(ids)
+    return layer, extra
+
+
 @given(seed=st.integers(0, 10**6), n=st.integers(5, 50), size=st.integers(1, 7))
 @settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -273,16 +290,7 @@ async def test_bulk_sql_path_equals_event_by_event(tmp_path: Path, seed: int, n:
                     "memory.forgotten", {"memory_id": rng.choice(ids)}, actor="ops",
                     source=src("operator", "ops", at(rng.randrange(30))), idem=f"i{i}")))
                 continue
-            layer = rng.choice(["long", "long", "task", "session"])
-            extra: dict[str, object] = {"text": rng.choice(_TRICKY) or None}
-            if layer == "task":
-                extra["task_key"] = "T1"
-            if layer == "session":
-                extra["session_id"] = "C17"
-            if rng.random() < 0.2:
-                extra["expires_at"] = "2026-10-01T00:00:00Z"
-            if rng.random() < 0.15 and ids:
-                extra["supersedes"] = rng.choice(ids)
+            layer, extra = _random_fields(rng, ids, expiring=0.2)
             mid = f"M{i}"
             ids.append(mid)
             value = rng.choice([rng.choice(_TRICKY), {"k": rng.choice(_TRICKY), "n": 1.5e-7},
@@ -460,16 +468,7 @@ def _plain_mix(rng: random.Random, n: int) -> list[dict[str, object]]:
             s = src(rng.choice(["explicit_user_request", "user_statement", "operator"]),
                     rng.choice(["C17", "C18"]), at(rng.randrange(30)),
                     seq=rng.choice([None, rng.randrange(5)]))
-            layer = rng.choice(["long", "long", "task", "session"])
-            extra: dict[str, object] = {"text": rng.choice(_TRICKY) or None}
-            if layer == "task":
-                extra["task_key"] = "T1"
-            if layer == "session":
-                extra["session_id"] = "C17"
-            if rng.random() < 0.1:
-                extra["expires_at"] = "2026-10-01T00:00:00Z"
-            if rng.random() < 0.15 and ids:
-                extra["supersedes"] = rng.choice(ids)
+            layer, extra = _random_fields(rng, ids, expiring=0.1)
             mid = f"M{i}"
             ids.append(mid)
             evs.append(write(f"k{rng.randrange(3 * n)}", rng.choice(_TRICKY), user=user,
