@@ -42,6 +42,9 @@ async def cmd_project(args: argparse.Namespace) -> int:
     from projections import matrix_snapshot
     from projections.runner import Runner
 
+    if args.batch_size is not None and args.batch_size < 1:
+        say("error: --batch-size must be at least 1")
+        return 2
     store = open_store(args)
     try:
         runner = Runner(store, batch_size=args.batch_size)
@@ -448,7 +451,9 @@ def add_commands(aud: Audience) -> None:
     aud.command("status", "head position, projection lag, broker health", cmd_status)
     pj = aud.command("project", "run every projection in this process until caught up",
                      cmd_project)
-    pj.add_argument("--batch-size", type=int, default=1000, help="events per transaction")
+    pj.add_argument("--batch-size", type=int, default=None,
+                    help="events per transaction (default: the backend's, 1,000 on SQLite "
+                         "and 4,000 on PostgreSQL)")
     aud.command("sweep", "purge closed tasks past retain_until (R6, R28), then project",
                 cmd_sweep)
     _add_replay(aud)

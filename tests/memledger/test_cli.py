@@ -140,6 +140,8 @@ def test_cli_words_errors_with_its_flags(tmp_path: Path) -> None:
     assert bad.stderr.startswith(b"error: --projection: unknown projection 'nope'; one of ")
     zero = cli.run("worker", "--processes", "0", check=2)
     assert b"error: --processes and --threads must be at least 1" in zero.stderr
+    zero = cli.run("project", "--batch-size", "0", check=2)
+    assert b"error: --batch-size must be at least 1" in zero.stderr
     env = {k: v for k, v in os.environ.items() if k != "MEMLEDGER_FORGET_REGISTER"}
     memory = subprocess.run([str(BIN), "--db", "sqlite+aiosqlite:///:memory:", "project"],
                             capture_output=True, env=env, timeout=120)
