@@ -858,10 +858,10 @@ class FileKeyStore(KeyStore):
     def _cached(self, kid: str) -> bytes | None:
         """The key read earlier, if its record still holds it (another process's
         destroy overwrites it in place, which the mapping shows)."""
-        got = self._plain.get(kid)
-        if got is None:
+        got, m = self._plain.get(kid), self._map
+        if got is None or m is None:
             return None
-        if self._record(got[0])[0] != b"K":
+        if m[_HEAD_BYTES + got[0] * self._rec_size()] != _K_TAG:  # the record's tag byte
             del self._plain[kid]
             return None
         return got[1]
@@ -948,12 +948,8 @@ class FileKeyStore(KeyStore):
                 st = os.fstat(fd)
                 if st.st_nlink == 0 or st.st_size != _HEAD_BYTES + self._n * self._rec_size():
                     self._refresh()
-            got, m = self._plain.get(kid), self._map
-            if got is not None and m is not None \
-                    and m[_HEAD_BYTES + got[0] * (_REC.size + self._width)] == _K_TAG:
-                return False  # the record it was read from still holds the key
             if self._cached(kid) is not None:
-                return False
+                return False  # the record it was read from still holds the key
         return self.get(kid) is None
 
     def _one(self, kid: str, rid: bytes) -> tuple[bool, bytes | None]:

@@ -133,7 +133,7 @@ async def memories_step(store: Store, conn: AsyncConnection, state: State,
     if bound is not None:
         state["after"] = bound
         return progressed(state, len(rows))
-    await conn.run_sync(_create_indexes, (t.mem_versions,))
+    await create_indexes(conn, t.mem_versions)
     if not state.get("sql"):
         return finished(state)
     await conn.run_sync(_REST.drop)
@@ -544,7 +544,7 @@ async def lexical_fts_step(conn: AsyncConnection, after: int | None) -> int | No
         "ORDER BY docid LIMIT ?)", (lo, FTS_LOAD_ROWS))).scalar()
     if last is None:
         await conn.run_sync(_lexical_triggers)
-        await conn.run_sync(_create_indexes, (t.lexical_docs,))
+        await create_indexes(conn, t.lexical_docs)
         return None
     await conn.exec_driver_sql(
         f"INSERT INTO {t.LEXICAL_FTS}(rowid, scope, terms) SELECT docid, scope, terms "

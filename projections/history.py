@@ -249,8 +249,7 @@ class HistoryProjection:
             done = await checkpoint(conn, MEMORIES)
             state.update(head=min(int(state["head"]), done), after="", done=done)
             if bulk_sql_possible(store):  # SQLite: the indexes are built at the end
-                for ix in t.mem_history.indexes:
-                    await conn.exec_driver_sql(f"DROP INDEX IF EXISTS {ix.name}")
+                await bulk.drop_indexes(conn, t.mem_history)
                 if int(state["head"]) > 0 and await bulk.history_sql_start(conn):
                     state.update(phase="reach", after=0, sql=True)
         head, done = int(state["head"]), int(state["done"])
@@ -290,7 +289,7 @@ class HistoryProjection:
         if more:
             state["after"] = slots[-1]
             return progressed(state, len(slots))
-        await conn.run_sync(_create_indexes)
+        await bulk.create_indexes(conn, t.mem_history)
         if state.get("sql"):
             await bulk.history_sql_end(conn)
         return finished(state)
@@ -320,12 +319,6 @@ class HistoryProjection:
             await conn.execute(update(t.mem_history).where(
                 covers_sql(ts, mh), mh.redacted.is_(False)).values(
                 **dict.fromkeys(CONTENT), redacted=True, model=None, vector=None))
-
-
-def _create_indexes(sync_conn: Any) -> None:
-    """Build the view's secondary indexes a bulk load dropped (those it lacks)."""
-    for ix in t.mem_history.indexes:
-        ix.create(sync_conn, checkfirst=True)
 
 
 def _by_slot(rows: Iterable[Any], tenant_of: dict[str, str]) -> Iterable[Any]:

@@ -923,8 +923,9 @@ def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray
     nonempty = lens > 0
     out = np.zeros(n, dtype=np.float64)
     out[nonempty] = np.add.reduceat(buf.astype(np.int64), starts[nonempty])
-    if (buf >= 0x80).any():
-        long_rows = np.flatnonzero(np.add.reduceat((buf >= 0x80).astype(np.int64),
+    high = buf >= 0x80  # a byte of a longer varint
+    if high.any():
+        long_rows = np.flatnonzero(np.add.reduceat(high.astype(np.int64),
                                                    starts[nonempty]) > 0)
         rows_nonempty = np.flatnonzero(nonempty)
         for i in rows_nonempty[long_rows]:
