@@ -36,7 +36,7 @@ SCHEMA_VERSION: Final = 1
 #: table, column or index below needs a new revision and this set to its id
 #: (docs/operations.md#adding-a-migration); tests/ledger/test_migrations.py fails until
 #: both are done.
-SCHEMA_REVISION: Final = "0009_forget_seek"
+SCHEMA_REVISION: Final = "0010_namespace_order"
 
 metadata = MetaData()
 
@@ -274,6 +274,14 @@ mem_versions = Table(
     Index("ix_mem_lookup", "tenant", "ns_path", "mkey", "status"),
     Index("ix_mem_status", "tenant", "status"),
 )
+# A namespace's rows newest first (`projections.store_reads`, a store's search of one
+# namespace): an index scan in the search's order that stops at the page's end, with
+# the live filter's columns in the index so rows that fail it are passed over without
+# reading the table (migration 0010_namespace_order). `memory_id` descending: the
+# search orders by `order_key DESC, memory_id`, the index scanned backwards.
+Index("ix_mem_order", mem_versions.c.tenant, mem_versions.c.ns_path,
+      mem_versions.c.order_key, mem_versions.c.memory_id.desc(), mem_versions.c.status,
+      mem_versions.c.layer, mem_versions.c.expires_us)
 
 mem_marks = Table(
     "mem_marks",

@@ -450,3 +450,100 @@ def test_filtered_search_tests_the_tombstones_of_its_window(sqlite_url: str) -> 
             assert [i.key for i in fast[0]] == want[offset:offset + limit]
     finally:
         store.close()
+
+
+def test_a_namespace_search_reads_its_rows_in_order_and_stops(sqlite_url: str) -> None:
+    """A search of one namespace reads that namespace's rows newest first from
+    `ix_mem_order`, stopping at the page's end, and tests the live filter on the
+    index's columns (no sort of the namespace's rows); `get` still seeks by key
+    (`ix_mem_lookup`), which the new index must not take from it."""
+    import sqlite3
+
+    from ledger.backends.sqlite import file_path
+
+    store = MemledgerStore(url=sqlite_url)
+    try:
+        store.batch([PutOp(("u7", "prefs"), f"k{i}", {"i": i}) for i in range(30)])
+        store.flush()
+    finally:
+        store.close()
+    path = file_path(sqlite_url)
+    assert path is not None
+    db = sqlite3.connect(path)
+    try:
+        ns = "langgraph\x1fu7\x1fprefs\x1f"
+        values = {"tenant": "langgraph", "now": 0, "owner": None, "owner_hi": None,
+                  "prefix": ns, "hi": store_reads._hi(ns), "limit": 10, "ns": ns,
+                  "key": "k1"}
+
+        def plan(kind: str) -> list[str]:
+            q = store_reads._point(kind)
+            return [r[3] for r in db.execute("EXPLAIN QUERY PLAN " + q.sql,
+                                             q.parameters(values)).fetchall()]
+
+        window = plan("window_exact")
+        assert "SEARCH mem_versions USING INDEX ix_mem_order (tenant=? AND ns_path=?)" \
+            in window, window
+        get = plan("get")
+        assert get[0].startswith("SEARCH mem_versions USING INDEX ix_mem_lookup "
+                                 "(tenant=? AND ns_path=? AND mkey=?"), get
+    finally:
+        db.close()
+
+
+def test_a_namespace_search_with_deeper_namespaces_gone_or_expired(sqlite_url: str) -> None:
+    """`window_now` answers a namespace from its own rows when no active row lies
+    deeper, and from the whole range otherwise: the same items as the loop path while
+    the deeper namespaces hold items, while only an expired item is left there (its row
+    still active in the view: the range answers) and after the sweep forgot it too
+    (the namespace's own rows answer), for any page (R20)."""
+    import sqlite3
+
+    from langgraph.store.base import TTLConfig
+
+    from ledger.backends.sqlite import file_path
+
+    ttl: TTLConfig = {"default_ttl": None, "refresh_on_read": False}
+    store = MemledgerStore(url=sqlite_url, ttl=ttl)
+    path = file_path(sqlite_url)
+    assert path is not None
+    try:
+        store.batch([PutOp(("a",), f"k{i}", {"i": i}) for i in range(9)])
+        store.batch([PutOp(("a", "b"), f"d{i}", {"i": 100 + i}) for i in range(4)])
+        # expired at once (TTLs are minutes): the sweep has not forgotten it yet
+        store.batch([PutOp(("a", "b", "c"), "gone", {"i": 200}, ttl=1e-9)])
+        store.batch([PutOp(("a",), "k2", {"i": 22})])  # an update: a newer version
+        store.flush()
+
+        def same(stage: str) -> list[Any]:
+            for prefix in (("a",), ("a", "b"), ("a", "b", "c")):
+                for offset, limit in ((0, 3), (2, 5), (0, 30)):
+                    ops: list[Any] = [SearchOp(prefix, limit=limit, offset=offset),
+                                      SearchOp(prefix, filter={"i": {"$gte": 5}},
+                                               limit=limit, offset=offset)]
+                    fast = store._read_now(ops, embeds=True)
+                    assert fast is not None
+                    assert _dicts(fast) == _dicts(store._call(store._batch(ops))), (
+                        stage, prefix, offset, limit)
+            return [(i.namespace, i.key) for i in store.search(("a",), limit=100)]
+
+        def deeper() -> int:
+            q = store_reads._point("window_exact")
+            ns = "langgraph\x1fa\x1f"
+            with sqlite3.connect(path) as db:
+                row = db.execute(q.sql, q.parameters({
+                    "tenant": "langgraph", "now": 0, "owner": None, "owner_hi": None,
+                    "prefix": ns, "hi": store_reads._hi(ns), "limit": 1})).fetchone()
+            return int(row[-1])
+
+        own = [(("a",), k) for k in ["k2", *(f"k{i}" for i in range(8, -1, -1) if i != 2)]]
+        got = same("deeper items")
+        assert len(got) == 9 + 4 and deeper() == 1
+        store.batch([PutOp(("a", "b"), f"d{i}", None) for i in range(4)])
+        store.flush()
+        assert same("an expired item deeper") == own and deeper() == 1
+        assert store.sweep_ttl() == 1
+        store.flush()
+        assert same("nothing deeper") == own and deeper() == 0
+    finally:
+        store.close()

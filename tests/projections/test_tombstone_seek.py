@@ -109,8 +109,8 @@ def _sqlite_plan(db: Any, sql: str, params: list[Any]) -> list[str]:
 
 
 def _point_statements() -> Iterator[tuple[str, Any, dict[str, Any]]]:
-    """The point reads' statements (get; the store's get, page and created keys) with
-    values to plan them with."""
+    """The point reads' statements (get; the store's get, page, windows and created
+    keys) with values to plan them with."""
     ns = ns_path(["shop-a", "u1", "preferences"])
     yield "reads.get", reads._GET_POINT, {"tenant": "shop-a", "ns": ns, "key": "k1",
                                           "task": None, "session": None, "now": 0}
@@ -118,6 +118,9 @@ def _point_statements() -> Iterator[tuple[str, Any, dict[str, Any]]]:
     yield "store get", store_reads._point("get"), {**common, "ns": ns, "key": "k1"}
     yield "store page", store_reads._point("page"), {
         **common, "prefix": ns, "hi": ns[:-1] + "\x20", "limit": 10, "offset": 0}
+    for kind in ("window", "window_exact"):
+        yield f"store {kind}", store_reads._point(kind), {
+            **common, "prefix": ns, "hi": ns[:-1] + "\x20", "limit": 10}
     yield "store created", store_reads._point("created"), {
         "tenant": "shop-a", "slots": orjson.dumps(["s1"]).decode()}
 
