@@ -20,7 +20,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Final, TypeVar
 
 import structlog
-from sqlalchemy import inspect, select
+from sqlalchemy import LargeBinary, inspect, select, type_coerce
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DatabaseError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -36,7 +36,7 @@ from ledger.logs import configure_default
 from ledger.recorder import WriteLock, raise_translated, short_error
 from ledger.records import AppendResult, StoredEvent, now_iso
 from ledger.register import ForgetRegister, default_register_path
-from ledger.vault import SEALED_TYPES, KeyStore, attach, open_vault
+from ledger.vault import SEALED_TYPES, KeyStore, attach, is_sealed, open_vault
 
 configure_default()
 log = structlog.get_logger("memledger.ledger")
@@ -173,11 +173,31 @@ class Store:
                     if row is None:
                         await conn.execute(t.meta.insert().values(
                             name="schema_version", value=str(t.SCHEMA_VERSION)))
+                    if self.vault is None:
+                        await self._warn_sealed_without_keys(conn)
                     await conn.commit()
             except (DatabaseError, OSError) as e:
                 raise_translated(e, "cannot open ledger database")
             self._opened = True
         return self
+
+    async def _warn_sealed_without_keys(self, conn: AsyncConnection) -> None:
+        """Warn when a ledger opened without a vault holds sealed content (its newest
+        content event is sealed): its content then reads as erased, as in a ledger
+        restored from envelopes only, which is what a copy of the database without its
+        key store (`<file>.vault`, `MEMLEDGER_VAULT_PATH`/`_URL`) looks like. One
+        look-up by the position index."""
+        ev = t.events.c
+        blob = (await conn.execute(
+            select(type_coerce(ev.payload, LargeBinary)).where(
+                ev.type.in_(sorted(SEALED_TYPES)), ev.payload.is_not(None))
+            .order_by(ev.position.desc()).limit(1))).scalar()
+        if blob is not None and is_sealed(bytes(blob)):
+            where = make_url(self.url).render_as_string(hide_password=True)
+            log.warning("ledger holds sealed content but no key store is configured: "
+                        "its content reads as erased", db=where,
+                        hint="restore the key store beside the database (<file>.vault) "
+                             "or set MEMLEDGER_VAULT_PATH / MEMLEDGER_VAULT_URL")
 
     def _ensure_schema(self, conn: Connection) -> None:
         """A new database is created at the head revision and stamped; any other

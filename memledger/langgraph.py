@@ -573,7 +573,10 @@ class MemledgerStore(BaseStore):
                                            owner_prefix=self._owner)
                 if rows is None:
                     return None
-                results.append(self._item(rows[-1]) if rows else None)
+                # a value that opens as None: its key was destroyed since the read
+                # (a forget racing the get), or the ledger's keys are absent
+                results.append(self._item(rows[-1]) if rows and rows[-1].value is not None
+                               else None)
             elif isinstance(op, SearchOp):
                 found = (self._ranked_now(op, now_us) if op.query and self.embeddings
                          else self._search_now(op, now_us))
@@ -768,6 +771,8 @@ class MemledgerStore(BaseStore):
         prefix = tuple(op.namespace_prefix)
         items: list[tuple[Any, Item]] = []
         for r in rows:
+            if r.value is None:  # its key destroyed since the read: forgotten
+                continue
             it = self._item(r)
             if it.namespace[:len(prefix)] != prefix:
                 continue
@@ -813,7 +818,7 @@ class MemledgerStore(BaseStore):
                 owner_prefix=self._owner)}
             for (i, gop), tk in zip(gets, targets, strict=True):
                 row = rows.get(tk)
-                if row is not None:
+                if row is not None and row.value is not None:  # None: key destroyed
                     results[i] = self._item(row)
                     if gop.refresh_ttl and self._refreshes and row.expires_us is not None:
                         refresh[tk] = row

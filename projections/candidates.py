@@ -210,9 +210,7 @@ def opened(store: Store, row: Any) -> Any:
     """`row` with its sealed content opened (`SealedVersionRow`); any other row as is."""
     if not isinstance(row, SealedVersionRow):
         return row
-    if store.vault is None:
-        return reads.MemVersionRow._make(row)
-    pq = _RECHECK_POINT[(False, False)]
+    pq = _RECHECK_POINT[(False, False)]  # no vault: a sealed value opens as None
     return reads.MemVersionRow._make(
         open_columns([row], pq.sealed, store.engine.sync_engine.dialect)[0])
 

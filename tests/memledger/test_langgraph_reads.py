@@ -547,3 +547,37 @@ def test_a_namespace_search_with_deeper_namespaces_gone_or_expired(sqlite_url: s
         assert same("nothing deeper") == own and deeper() == 0
     finally:
         store.close()
+
+
+def test_a_sealed_ledger_without_its_key_store_reads_as_erased(tmp_path: Path) -> None:
+    """A copy of a ledger file without its key store (`<file>.vault`) opens without a
+    vault: its content reads as erased on every path, as a ledger restored from
+    envelopes only does (the SDK's typed reads already did): a get finds nothing, a
+    search leaves the items out, on the calling thread and on the loop, and nothing
+    hands the sealed bytes on as a value; opening it logs a warning that names the
+    missing key store."""
+    import shutil
+
+    from structlog.testing import capture_logs
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"
+    store = MemledgerStore(url=url)
+    try:
+        store.batch([PutOp(("u7", "prefs"), f"k{i}", {"i": i}) for i in range(5)])
+        assert store.get(("u7", "prefs"), "k1") is not None
+    finally:
+        store.close()
+    shutil.copy(tmp_path / "a.db", tmp_path / "b.db")  # the file alone, no b.db.vault
+    copy = MemledgerStore(url=f"sqlite+aiosqlite:///{tmp_path / 'b.db'}")
+    try:
+        with capture_logs() as logs:
+            copy.setup()
+        ops: list[Any] = [GetOp(("u7", "prefs"), "k1"), SearchOp(("u7",), limit=10),
+                          SearchOp(("u7", "prefs"), filter={"i": 1}, limit=10)]
+        fast = copy._read_now(ops, embeds=True)
+        assert fast == [None, [], []]
+        assert copy._call(copy._batch(ops)) == [None, [], []]
+        assert copy.get(("u7", "prefs"), "k1") is None
+    finally:
+        copy.close()
+    assert any("no key store" in e["event"] for e in logs), logs
