@@ -3,9 +3,10 @@
 `Store.append` queues requests; its writer task takes a group of them into one write
 transaction (`Recorder.write`) and hands them to an `Appender`, which checks every
 request against the ledger (idempotency, ownership, expected versions, tombstones),
-builds and seals the rows (`event_row`, `seal`: the one place new chain links are
-computed) and writes them with the recorder's verbs. A rejected request leaves the
-group's state as it was (`_Undo`), so the other requests still commit.
+builds and seals the rows (`event_row`, or `_row` from what the checks read of the
+event already; `seal`: the one place new chain links are computed) and writes them with
+the recorder's verbs. A rejected request leaves the group's state as it was (`_Undo`),
+so the other requests still commit.
 """
 
 from __future__ import annotations
