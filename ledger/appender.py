@@ -3,16 +3,17 @@
 `Store.append` queues requests; its writer task takes a group of them into one write
 transaction (`Recorder.write`) and hands them to an `Appender`, which checks every
 request against the ledger (idempotency, ownership, expected versions, tombstones),
-builds and seals the rows (`event_row`, `seal`: the one place new chain links are
-computed) and writes them with the recorder's verbs. A rejected request leaves the
-group's state as it was (`_Undo`), so the other requests still commit.
+builds and seals the rows (`event_row`, or `_row` from what the checks read of the
+event already; `seal`: the one place new chain links are computed) and writes them with
+the recorder's verbs. A rejected request leaves the group's state as it was (`_Undo`),
+so the other requests still commit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -70,6 +71,10 @@ GROUP_MAX_EVENTS: Final = 4000
 
 
 _MISSING: Final = object()
+#: Marks of a memory: their target must be a memory the actor may change.
+_MARKS: Final = frozenset({"memory.superseded", "memory.confirmed"})
+#: The event types that may record a tombstone (`ledger.forgets.tombstone_of`).
+_TOMBSTONE_TYPES: Final = frozenset({"memory.forgotten", "task.purged"})
 #: The remedy for an explicit id or task key that is taken. Explicit memory ids and
 #: task keys are unique in a tenant (the views key rows by them), so a taken one is
 #: refused whoever took it; the answer never says who, or under which namespace.
@@ -115,22 +120,31 @@ def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
         nsp = ns_path(d["namespace_prefix"])
     elif owner_path is not None:
         nsp = owner_path
+    is_write = ev.type in MEMORY_WRITES
+    return _row(ev, d, position, recorded, suppressed, nsp, is_write,
+                ev.slot if is_write else None, ev.content_digest)
+
+
+def _row(ev: Event, d: Mapping[str, Any], position: int, recorded: str, suppressed: bool,
+         nsp: str | None, is_write: bool, slot: str | None, dig: str) -> dict[str, Any]:
+    """`event_row` from what the append path has at hand already: the namespace path
+    `nsp` (what `event_row` derives from the event and its task owner), whether it is
+    a memory write, its slot (None unless a write) and its content digest."""
     s = ev.source
     mid = d.get("memory_id")
     tk = d.get("task_key")
-    is_write = ev.type in MEMORY_WRITES
     return {
         "position": position, "tenant": ev.tenant, "idempotency_key": ev.idempotency_key,
         "type": ev.type, "actor": ev.actor, "source_kind": s.kind, "source_id": s.id,
         "source_at": s.at, "source_seq": s.seq, "source_event_id": s.event_id,
-        "order_key": ev.order, "slot": ev.slot if is_write else None,
+        "order_key": ev.order, "slot": slot,
         "memory_id": None if mid is None else str(mid),
         "ns_path": nsp, "mkey": d.get("key"), "layer": d.get("layer"),
         "task_key": None if tk is None else str(tk),
         "supersedes": d.get("supersedes") if is_write else None,
         # A suppressed event keeps its envelope and digest, never its content (R22).
         "payload": None if suppressed else ev.encode(),
-        "content_digest": ev.content_digest, "recorded_at": recorded, "suppressed": suppressed,
+        "content_digest": dig, "recorded_at": recorded, "suppressed": suppressed,
         "redacted": False,
     }
 
@@ -218,63 +232,92 @@ class Appender:
             if self.tomb_rows:
                 await self.recorder.insert_tombstones(self.conn, self.tomb_rows)
             if self.owner_rows:
-                await self.conn.execute(t.task_owners.insert(), [
+                # The recorder's view-row verb: on PostgreSQL one statement on the
+                # driver's connection instead of SQLAlchemy's executemany.
+                await self.recorder.write_rows(self.conn, t.task_owners, [
                     {"tenant": k[0], "task_key": k[1], "ns_path": v}
                     for k, v in self.owner_rows.items()])
         return position, outcomes
 
     async def _one(self, ev: Event, position: int, chain: str, recorded: str,
                    undo: _Undo) -> tuple[AppendResult, int, str]:
+        # Runs once per appended event: each field and derived value of the event is read
+        # once, into locals (the old body asked `is_write` four times, `slot` and
+        # `task_key` twice and built the namespace path up to three times), and the row
+        # is built from them (`_row`) rather than from the event again (`event_row`).
         dig = ev.content_digest
-        prior = self.idem.get((ev.tenant, ev.idempotency_key))
+        tenant = ev.tenant
+        ikey = (tenant, ev.idempotency_key)
+        idem = self.idem
+        prior = idem.get(ikey)
         if prior is not None:
             if prior[0] != dig:
                 raise IdempotencyConflict(ev.idempotency_key)
             return AppendResult("duplicate", prior[1], prior[2]), position, chain
+        etype = ev.type
         d = ev.data
-        slot = ev.slot
+        is_write = etype in MEMORY_WRITES
         owner_path: str | None = None
-        if ev.is_write:
-            mkey = (ev.tenant, d["memory_id"])
+        #: the event's namespace path (`event_row`'s `ns_path`)
+        nsp: str | None = None
+        if is_write:
+            mkey = (tenant, d["memory_id"])
             if mkey in self.mem_owner:
                 # Whose write holds it is not said: the same answer for the user's own
                 # earlier write and for anyone else's (see `_UNUSABLE`).
                 raise ValidationError("data.memory_id", f"memory_id {d['memory_id']!r} "
                                       f"is already used; {_UNUSABLE}")
-        if ev.type in ("memory.superseded", "memory.confirmed") or (
-                ev.type == "memory.forgotten" and "memory_id" in d):
+            nsp = ns_path(d["namespace"])
+        elif etype in _MARKS or (etype == "memory.forgotten" and "memory_id" in d):
             self._check_target_owner(ev, d["memory_id"])
-        if ev.task_key is not None and ev.type in TASK_TYPES:
+        tk = d.get("task_key")
+        task_key = None if tk is None else str(tk)
+        is_task = etype in TASK_TYPES
+        if task_key is not None and is_task:
             owner_path = self._check_task(ev, undo)
+        if nsp is None:
+            if "namespace" in d:
+                nsp = ns_path(d["namespace"])
+            elif "namespace_prefix" in d:
+                nsp = ns_path(d["namespace_prefix"])
+            else:
+                nsp = owner_path
+        slot = ev.slot if is_write else None
+        target = slot if slot is not None else (task_key if is_task else None)
         if ev.expected_version is not None:
-            target = slot if slot is not None else ev.task_key
-            if target is None:
+            if slot is None and task_key is None:
                 raise ValidationError("expected_version", "applies only to memory writes "
                                       "and task events")
-            actual = await self._count(target, task=slot is None, tenant=ev.tenant)
+            actual = await self._count(slot if slot is not None else str(task_key),
+                                       task=slot is None, tenant=tenant)
             if actual != ev.expected_version:
                 # The key or task key the request named, never its namespace parts.
-                label = (f"slot {d.get('key')!r}" if slot else f"task {ev.task_key!r}")
+                label = (f"slot {d.get('key')!r}" if slot else f"task {task_key!r}")
                 raise ConcurrencyConflict(label, ev.expected_version, actual)
-        suppressed = self._covered(ev, owner_path)
+        suppressed = bool(self.tombs.get(tenant)) and self._covered(
+            ev, owner_path if not is_write else nsp, is_write)
         position += 1
-        row = event_row(ev, position, recorded, suppressed=suppressed, owner_path=owner_path)
+        row = _row(ev, d, position, recorded, suppressed, nsp, is_write, slot, dig)
         chain = seal(row, chain)
         self.rows.append(row)
-        undo.set(self.idem, (ev.tenant, ev.idempotency_key), (dig, position, suppressed))
-        if ev.is_write:
-            undo.set(self.mem_owner, (ev.tenant, d["memory_id"]), ns_path(d["namespace"]))
-        target = slot if slot is not None else (ev.task_key if ev.type in TASK_TYPES else None)
+        # Neither key was there (checked above), so the undo entries say "absent".
+        log_ = undo.log
+        log_.append((idem, ikey, _MISSING))
+        idem[ikey] = (dig, position, suppressed)
+        if is_write:
+            log_.append((self.mem_owner, mkey, _MISSING))
+            self.mem_owner[mkey] = str(nsp)
         if target is not None and target in self.counts:
             undo.set(self.counts, target, self.counts[target] + 1)
-        ts = None if suppressed else tombstone_of(ev, position)
-        if ts is not None:
-            self.tomb_rows.append(tombstone_row(ts))
-            lst = self.tombs.setdefault(ev.tenant, [])
-            undo.set(self.tombs, ev.tenant, [*lst, ts])
-            self.register.append(register_entry(ev, position))
+        if etype in _TOMBSTONE_TYPES and not suppressed:
+            ts = tombstone_of(ev, position)
+            if ts is not None:
+                self.tomb_rows.append(tombstone_row(ts))
+                lst = self.tombs.setdefault(tenant, [])
+                undo.set(self.tombs, tenant, [*lst, ts])
+                self.register.append(register_entry(ev, position))
         if self.debug:
-            log.debug("event_appended", tenant=ev.tenant, position=position, type=ev.type,
+            log.debug("event_appended", tenant=tenant, position=position, type=etype,
                       suppressed=suppressed)
         return AppendResult("appended", position, suppressed), position, chain
 
@@ -308,17 +351,19 @@ class Appender:
                                   f"{ev.actor!r}; open it first (task.opened)")
         return owner
 
-    def _covered(self, ev: Event, owner_path: str | None) -> bool:
+    def _covered(self, ev: Event, path: str | None, is_write: bool) -> bool:
+        """Is the event covered by a tombstone of its tenant? `path`: a write's
+        namespace path, or a task event's owner path."""
         tombs = self.tombs.get(ev.tenant)
         if not tombs:
             return False
         order = ev.order
         d = ev.data
-        if ev.is_write:
-            v = Coordinates(ev.tenant, order, d["memory_id"], ns_path(d["namespace"]),
-                            d["key"], d.get("task_key"))
+        if is_write:
+            v = Coordinates(ev.tenant, order, d["memory_id"], path, d["key"],
+                            d.get("task_key"))
         elif ev.type in TASK_TYPES and ev.type != "task.purged":
-            v = Coordinates(ev.tenant, order, ns_path=owner_path, task_key=str(ev.task_key))
+            v = Coordinates(ev.tenant, order, ns_path=path, task_key=str(ev.task_key))
         else:
             return False
         return any(covers(ts, v) for ts in tombs)

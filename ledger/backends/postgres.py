@@ -443,9 +443,16 @@ class PostgresRecorder(Recorder):
     @staticmethod
     async def _pairs(conn: AsyncConnection, sql: str, pairs: Sequence[tuple[str, str]],
                      *more: Any) -> Sequence[Any]:
+        """One of the append path's look-ups: a prepared statement on the write
+        transaction's own asyncpg connection (as `last_link`), past SQLAlchemy's
+        cursor and result rows."""
         firsts = [p[0] for p in pairs]
         seconds = [p[1] for p in pairs]
-        return (await conn.exec_driver_sql(sql, (firsts, seconds, *more))).all()
+        driver = await _driver_of(conn)
+        if not driver.is_in_transaction():
+            return (await conn.exec_driver_sql(sql, (firsts, seconds, *more))).all()
+        async with _driver_errors(conn, sql):
+            return await driver.fetch(sql, firsts, seconds, *more)  # type: ignore[no-any-return]
 
     def driver_reads(self) -> DriverReads:
         """Point reads on plain asyncpg connections (`DriverReads`)."""
