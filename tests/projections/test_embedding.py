@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from projections import embedding as embedding_module
-
 from projections.embedding import (
     DEFAULT_EMBEDDER,
     CallableEmbedder,
