@@ -336,6 +336,8 @@ def clear_caches() -> None:
     _pair_features.cache_clear()
 
 
+#: Texts `HashedNgramEmbedder.embed` works on at a time (its memory, not its result).
+EMBED_BLOCK: Final[int] = 256
 _TF: Final[tuple[float, ...]] = tuple(1.0 + math.log(k) if k else 0.0 for k in range(64))
 
 
@@ -357,9 +359,25 @@ class HashedNgramEmbedder:
         self.name: str = f"hashgram-v1-{dim}" if concepts else f"hashgram-v2-{dim}"
 
     def embed(self, texts: Sequence[str]) -> NDArray[np.float32]:
-        """Return L2-normalised float32 vectors, one row per text, zero rows for empty text."""
+        """Return L2-normalised float32 vectors, one row per text, zero rows for empty text.
+
+        Texts are embedded `EMBED_BLOCK` at a time into the result: a row depends on its
+        own text alone (its buckets are summed in feature order, its norm taken over
+        its own row), so the rows are the same as in one pass, while the working set
+        (two Python objects per feature probe, a float64 matrix) stays that of one
+        block. In one pass, the 4,000 texts of a rebuild step took about 35 MB beyond
+        their float32 result.
+        """
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of texts, not a single str")
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for lo in range(0, len(texts), EMBED_BLOCK):
+            block = texts[lo:lo + EMBED_BLOCK]
+            out[lo:lo + len(block)] = self._embed_block(block)
+        return out
+
+    def _embed_block(self, texts: Sequence[str]) -> NDArray[np.float64]:
+        """`embed` of a few texts, as float64 rows (normalised, not yet cast)."""
         dim = self.dim
         n = len(texts)
         cols: list[int] = []
@@ -380,7 +398,7 @@ class HashedNgramEmbedder:
         matrix = sums.astype(np.float64, copy=False).reshape(n, dim)
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         np.divide(matrix, norms, out=matrix, where=norms > 0)
-        return matrix.astype(np.float32)
+        return matrix
 
 
 class SentenceModelEmbedder:

@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from projections import embedding as embedding_module
 from projections.embedding import (
     DEFAULT_EMBEDDER,
     CallableEmbedder,
@@ -428,3 +431,28 @@ def test_callable_and_langchain_shaped_embedders() -> None:
     assert embed_queries(lc, ["q"]).tolist() == [[0.0, 0.0, 1.0]]
     with pytest.raises(ValueError, match="width"):
         CallableEmbedder("bad", lambda xs: [[1.0]] * len(xs), dim=2).embed(["a"])
+
+
+_WORDS = st.sampled_from(["earbud", "charging", "咖啡", "我喜欢喝", "languages", "the", "a",
+                          "Ｆｕｌｌ", "running", "x1", "中文 english", "coffee's"])
+
+
+@given(st.lists(st.lists(_WORDS, max_size=12).map(" ".join), max_size=20),
+       st.integers(1, 7), st.sampled_from([16, 64]), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_embed_in_blocks_gives_the_rows_of_one_pass(texts: list[str], block: int, dim: int,
+                                                     concepts: bool) -> None:
+    """A row depends on its own text alone: embedding block by block (`EMBED_BLOCK`,
+    here a few texts) gives the bytes of one pass over every text, and of each text
+    embedded alone."""
+    emb = HashedNgramEmbedder(dim, concepts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(embedding_module, "EMBED_BLOCK", len(texts) + 1)
+        whole = emb.embed(texts)
+        mp.setattr(embedding_module, "EMBED_BLOCK", block)
+        blocks = emb.embed(texts)
+    assert whole.dtype == blocks.dtype == np.float32
+    assert whole.shape == blocks.shape == (len(texts), dim)
+    assert whole.tobytes() == blocks.tobytes()
+    for i, text in enumerate(texts):
+        assert emb.embed([text]).tobytes() == whole[i].tobytes()
