@@ -7,12 +7,14 @@ Each argument is `FILE[:LABEL]` (files with one label are merged: modules run
 separately count as one run); every figure that has a ratio (memledger beside its
 same-run baseline, higher is better) gets one bar per file, so a before/after pair shows
 what moved. Figures missing from a file are left out of its bars. The dashed lines mark
-the ratios the targets name (0.5x and 1x).
+the ratios the targets name (0.5x and 1x). `--match REGEX` keeps the figures whose
+names match (the full run prints about a hundred).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -68,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", metavar="FILE[:LABEL]", help="results.json files")
     ap.add_argument("--out", default="docs/bench-ratios.png", help="PNG to write")
     ap.add_argument("--title", default="memledger / same-run baseline")
+    ap.add_argument("--match", metavar="REGEX",
+                    help="plot only the figures whose names match (re.search)")
     args = ap.parse_args(argv)
     merged: dict[str, tuple[str, dict[str, float], str]] = {}
     for spec in args.runs:  # files with the same label are one run (modules run apart)
         label, ratios, load_note = load(spec)
+        if args.match:
+            ratios = {n: r for n, r in ratios.items() if re.search(args.match, n)}
         if label in merged:
             _, seen, note = merged[label]
             ratios, load_note = {**seen, **ratios}, f"{note}, {load_note}"
