@@ -113,16 +113,19 @@ def event_row(ev: Event, position: int, recorded: str, *, suppressed: bool,
               owner_path: str | None) -> dict[str, Any]:
     """The `events` row of an event at `position`, not yet sealed (no `chain`)."""
     d = ev.data
-    nsp: str | None = None
-    if "namespace" in d:
-        nsp = ns_path(d["namespace"])
-    elif "namespace_prefix" in d:
-        nsp = ns_path(d["namespace_prefix"])
-    elif owner_path is not None:
-        nsp = owner_path
     is_write = ev.type in MEMORY_WRITES
-    return _row(ev, d, position, recorded, suppressed, nsp, is_write,
+    return _row(ev, d, position, recorded, suppressed, _ns_path_of(d, owner_path), is_write,
                 ev.slot if is_write else None, ev.content_digest)
+
+
+def _ns_path_of(d: Mapping[str, Any], owner_path: str | None) -> str | None:
+    """An event row's `ns_path`: its namespace, else its namespace prefix, else (a task
+    event) its task's owner path."""
+    if "namespace" in d:
+        return ns_path(d["namespace"])
+    if "namespace_prefix" in d:
+        return ns_path(d["namespace_prefix"])
+    return owner_path
 
 
 def _row(ev: Event, d: Mapping[str, Any], position: int, recorded: str, suppressed: bool,
@@ -258,8 +261,6 @@ class Appender:
         d = ev.data
         is_write = etype in MEMORY_WRITES
         owner_path: str | None = None
-        #: the event's namespace path (`event_row`'s `ns_path`)
-        nsp: str | None = None
         if is_write:
             mkey = (tenant, d["memory_id"])
             if mkey in self.mem_owner:
@@ -267,7 +268,6 @@ class Appender:
                 # earlier write and for anyone else's (see `_UNUSABLE`).
                 raise ValidationError("data.memory_id", f"memory_id {d['memory_id']!r} "
                                       f"is already used; {_UNUSABLE}")
-            nsp = ns_path(d["namespace"])
         elif etype in _MARKS or (etype == "memory.forgotten" and "memory_id" in d):
             self._check_target_owner(ev, d["memory_id"])
         tk = d.get("task_key")
@@ -275,13 +275,7 @@ class Appender:
         is_task = etype in TASK_TYPES
         if task_key is not None and is_task:
             owner_path = self._check_task(ev, undo)
-        if nsp is None:
-            if "namespace" in d:
-                nsp = ns_path(d["namespace"])
-            elif "namespace_prefix" in d:
-                nsp = ns_path(d["namespace_prefix"])
-            else:
-                nsp = owner_path
+        nsp = _ns_path_of(d, owner_path)  # a write's: its namespace's
         slot = ev.slot if is_write else None
         target = slot if slot is not None else (task_key if is_task else None)
         if ev.expected_version is not None:
@@ -294,8 +288,7 @@ class Appender:
                 # The key or task key the request named, never its namespace parts.
                 label = (f"slot {d.get('key')!r}" if slot else f"task {task_key!r}")
                 raise ConcurrencyConflict(label, ev.expected_version, actual)
-        suppressed = bool(self.tombs.get(tenant)) and self._covered(
-            ev, owner_path if not is_write else nsp, is_write)
+        suppressed = self._covered(ev, nsp if is_write else owner_path, is_write)
         position += 1
         row = _row(ev, d, position, recorded, suppressed, nsp, is_write, slot, dig)
         chain = seal(row, chain)

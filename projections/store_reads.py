@@ -320,12 +320,12 @@ def window_now(store: Store, tenant: str, prefix: str, *, now_us: int, limit: in
     exact = point_rows(store, _point("window_exact", owner), vals, opened=False)
     if exact is None:
         return None
-    if not exact[0][-1]:
-        rows = [r[:-1] for r in exact if r[0] is not None]
-        return [PageRow._make(r[:-1]) for r in rows], all(r[-1] for r in rows)
-    window = point_rows(store, _point("window", owner), vals, opened=False)
-    if window is None:
-        return None
+    if exact[0][-1]:  # a row lies deeper
+        window = point_rows(store, _point("window", owner), vals, opened=False)
+        if window is None:
+            return None
+    else:
+        window = [r[:-1] for r in exact if r[0] is not None]
     return [PageRow._make(r[:-1]) for r in window], all(r[-1] for r in window)
 
 

@@ -56,7 +56,7 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
     # read: a bulk-load step of 4,000 tasks held every decoded note body at once (about
     # 4 KB a task, 17 MB of peak RSS), more than the rest of the rebuild's core needs.
     for chunk in batches(conn, list(tasks)):
-        by_task = {k: tasks[k] for k in chunk}
+        by_task = {k: tasks.pop(k) for k in chunk}  # not held past their summaries
         q = select(t.task_notes).where(pairs_of(conn, tn.tenant, tn.task_key, chunk),
                                        *outside)
         for r in (await conn.execute(q)).all():
@@ -69,7 +69,6 @@ async def summarize_tasks(store: Store, conn: AsyncConnection,
         for (tenant, task_key), ns in by_task.items():
             rows.append(_task_row(store, tenant, task_key, owners.get((tenant, task_key)),
                                   ns, tombs_of.get(tenant, []), fenced, erase))
-            tasks[(tenant, task_key)] = []
     if vault is not None:
         vault.ensure(r["summary"].kid for r in rows if isinstance(r["summary"], Subject))
     for chunk in batches(conn, erase, 500):
