@@ -40,7 +40,19 @@ The thread's connection has `wal_autocheckpoint=0`, and after a commit a PASSIVE
 checkpoint is asked of a second thread with a connection of its own, at most one at a
 time and one per `CHECKPOINT_EVERY_S`: it copies what the WAL holds into the database
 while writers go on (a PASSIVE checkpoint takes no write lock), as the automatic one
-would have, only not in the writers' way.
+would have, only not in the writers' way. A commit that comes within that second is
+not dropped: the thread runs one more checkpoint when the second is up, so the WAL is
+copied out whenever the writes pause, and the next write starts it over.
+
+Under writes that never pause, no PASSIVE checkpoint on another thread ever finds the
+WAL fully copied when a transaction begins, and only then does SQLite start the WAL
+over (at that transaction's first write, if no reader still reads an older part): the
+file grew without end (a 100k-item LangGraph load left 1 GB of WAL beside a 370 MB
+database, docs/benchmarks.md, "The WAL starts over"). So when a checkpoint finds the
+WAL holding `RESTART_FRAMES` frames or more, the writing thread itself checkpoints
+what is left before its next transaction (at most once per `CHECKPOINT_EVERY_S`;
+little is left, the background one copied the rest), and that transaction starts the
+WAL over. `journal_size_limit` then cuts the file back to `WAL_LIMIT_BYTES`.
 """
 
 from __future__ import annotations
@@ -70,6 +82,11 @@ T = TypeVar("T")
 
 #: At most one background WAL checkpoint per this many seconds (module doc).
 CHECKPOINT_EVERY_S: Final = 1.0
+#: A checkpoint that finds the WAL holding this many frames (64 MiB of 4 KiB pages) has
+#: the writing thread finish it before the next transaction, which starts the WAL over.
+RESTART_FRAMES: Final = 16_384
+#: The size the WAL file is cut back to when it starts over (`journal_size_limit`).
+WAL_LIMIT_BYTES: Final = 64 << 20
 
 
 class SyncBacked:
@@ -130,6 +147,7 @@ def _engine(path: str, vault: Any) -> Engine:
             dbapi_conn.execute(f"PRAGMA {pragma}")
         # checkpoints run on the checkpointer's thread, never at this thread's commits
         dbapi_conn.execute("PRAGMA wal_autocheckpoint=0")
+        dbapi_conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
 
     @sa_event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
@@ -190,6 +208,7 @@ class InlineWrites:
                     self._engine = _engine(self.path, self.vault)
                 self._conn = self._engine.connect()
             conn = self._conn
+            self._checkpoints.catch_up()
             try:
                 with conn.begin():
                     out = self._loop.run_until_complete(_call(body, SyncBacked(conn)))
@@ -229,69 +248,114 @@ class InlineWrites:
 
 class Checkpointer:
     """PASSIVE WAL checkpoints of one SQLite file on a thread of its own (module doc):
-    `soon()` asks for one unless one is running or the last began less than
-    `CHECKPOINT_EVERY_S` ago."""
+    `soon()` asks for one; it runs at once unless one ran less than
+    `CHECKPOINT_EVERY_S` ago, else when that time is up. `catch_up()` is the writing
+    thread's own, when the WAL does not start over.
+
+    The thread is a daemon: a process that exits without `close` does not wait for a
+    checkpoint (an interrupted one loses nothing: the WAL is durable and the next
+    connection checkpoints it)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._pool: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
-        self._busy = threading.Lock()
-        self._last = 0.0
-        self._again = False
+        self._cond = threading.Condition()  # `_due`, `_closing`, `_thread`
+        self._busy = threading.Lock()  # held while a checkpoint runs, on either thread
+        self._thread: threading.Thread | None = None
+        self._due = False  # a commit since the last checkpoint began
+        self._closing = False
+        self._last = float("-inf")
+        self._caught = float("-inf")
+        #: the last checkpoint found `RESTART_FRAMES` frames or more in the WAL
+        self.restart_due = False
         #: checkpoints run (what the tests read)
         self.runs = 0
 
     def soon(self) -> None:
-        """Called after a commit, on the writing thread; never waits. A request while
-        a checkpoint runs makes that one run again when it ends (the commit's pages
-        may have come after its copy)."""
-        now = time.monotonic()
-        if now - self._last < CHECKPOINT_EVERY_S:
-            return
-        self._last = now
-        if not self._busy.acquire(blocking=False):
-            self._again = True
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memledger-checkpoint")
-        try:
-            self._pool.submit(self._run)
-        except RuntimeError:  # shut down meanwhile
-            self._busy.release()
+        """Called after a commit, on the writing thread; never waits."""
+        with self._cond:
+            self._due = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, daemon=True,
+                                                name="memledger-checkpoint")
+                self._thread.start()
+            else:
+                self._cond.notify()
 
-    def _run(self) -> None:
-        try:
-            again = True
-            while again:
-                self._again = False
+    def _work(self) -> None:
+        """The thread: a checkpoint per `CHECKPOINT_EVERY_S` while commits ask for them
+        (the last commit's included: it waits for its turn, not dropped; at `close` it
+        runs at once). Ends at `close`, and after a quiet minute."""
+        while True:
+            with self._cond:
+                while not self._due:
+                    if self._closing or not self._cond.wait(60.0):
+                        self._thread = None
+                        return
+                wait = (0.0 if self._closing
+                        else self._last + CHECKPOINT_EVERY_S - time.monotonic())
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                self._due = False
+                self._last = time.monotonic()
+            frames = self._checkpoint()
+            if frames is not None:
+                self.restart_due = frames >= RESTART_FRAMES
+
+    def catch_up(self) -> None:
+        """On the writing thread, before a transaction: if the WAL is not starting over
+        (`restart_due`), checkpoint what the background one left (waiting for it if it
+        runs), so the transaction starts the WAL over. At most once per
+        `CHECKPOINT_EVERY_S` (a reader in another process can keep SQLite from
+        starting over; the writer does not pay a checkpoint per transaction then)."""
+        if not self.restart_due:
+            return
+        now = time.monotonic()
+        if now - self._caught < CHECKPOINT_EVERY_S:
+            return
+        self._caught = now
+        self.restart_due = False
+        self._checkpoint()
+
+    def _checkpoint(self) -> int | None:
+        """One PASSIVE checkpoint; the frames the WAL held (None if it could not run:
+        a later commit asks again, nothing is lost, the WAL only waits longer)."""
+        with self._busy:
+            try:
                 if self._db is None:
                     self._db = sqlite3.connect(self.path, isolation_level=None,
                                                check_same_thread=False)
                     self._db.execute("PRAGMA busy_timeout=30000")
-                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                self.runs += 1
-                again = self._again
-        except sqlite3.Error:
-            # a checkpoint that cannot run now runs at a later commit (or at another
-            # connection's automatic one): nothing is lost, the WAL only waits longer
-            self._close_db()
-        finally:
-            self._busy.release()
+                row = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            except sqlite3.Error:
+                self._drop_db()
+                return None
+            self.runs += 1
+            return int(row[1])
 
-    def _close_db(self) -> None:
+    def _drop_db(self) -> None:
+        """(`_busy` held.) Close the checkpoint connection (the next one opens another)."""
         db, self._db = self._db, None
         if db is not None:
             with contextlib.suppress(sqlite3.Error):
                 db.close()
 
     async def close(self) -> None:
-        """Let a running checkpoint finish, then close its connection and thread."""
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        await asyncio.get_running_loop().run_in_executor(pool, self._close_db)
-        pool.shutdown(wait=False)
+        """Run the checkpoint a commit asked for at once (or let a running one finish),
+        then close its connection and end its thread (a later `soon` starts another)."""
+        with self._cond:
+            thread = self._thread
+            self._closing = True
+            self._cond.notify()
+        try:
+            if thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, thread.join)
+            with self._busy:
+                self._drop_db()
+        finally:
+            with self._cond:
+                self._closing = False
 
 
 async def _call(body: Callable[[AsyncConnection], Awaitable[T]], conn: SyncBacked) -> T:
