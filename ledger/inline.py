@@ -49,10 +49,11 @@ WAL fully copied when a transaction begins, and only then does SQLite start the 
 over (at that transaction's first write, if no reader still reads an older part): the
 file grew without end (a 100k-item LangGraph load left 1 GB of WAL beside a 370 MB
 database, docs/benchmarks.md, "The WAL starts over"). So when a checkpoint finds the
-WAL holding `RESTART_FRAMES` frames or more, the writing thread itself checkpoints
-what is left before its next transaction (at most once per `CHECKPOINT_EVERY_S`;
-little is left, the background one copied the rest), and that transaction starts the
-WAL over. `journal_size_limit` then cuts the file back to `WAL_LIMIT_BYTES`.
+WAL holding `RESTART_FRAMES` frames or more, the background thread runs its
+checkpoints one after another instead of one a second, and the writing thread
+checkpoints what they left before its next transaction (at most once per
+`CHECKPOINT_EVERY_S`; little is left), and that transaction starts the WAL over.
+`journal_size_limit` then cuts the file back to `WAL_LIMIT_BYTES`.
 """
 
 from __future__ import annotations
@@ -285,14 +286,17 @@ class Checkpointer:
     def _work(self) -> None:
         """The thread: a checkpoint per `CHECKPOINT_EVERY_S` while commits ask for them
         (the last commit's included: it waits for its turn, not dropped; at `close` it
-        runs at once). Ends at `close`, and after a quiet minute."""
+        runs at once), one after another while the WAL does not start over. Ends at
+        `close`, and after a quiet minute."""
         while True:
             with self._cond:
                 while not self._due:
                     if self._closing or not self._cond.wait(60.0):
                         self._thread = None
                         return
-                wait = (0.0 if self._closing
+                # past RESTART_FRAMES: one after another, so that little is left
+                # for the writing thread's `catch_up`
+                wait = (0.0 if self._closing or self.restart_due
                         else self._last + CHECKPOINT_EVERY_S - time.monotonic())
                 if wait > 0:
                     self._cond.wait(wait)
