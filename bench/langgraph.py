@@ -78,6 +78,11 @@ def _embed(texts: list[str]) -> list[list[float]]:
     return out
 
 
+def _mb(path: Any) -> float:
+    """A file's size in MB (0 if it does not exist)."""
+    return path.stat().st_size / 1e6 if path.exists() else 0.0
+
+
 def _timed(fn: Callable[[int], Any], n: int, out: list[float], start: int = 0) -> None:
     for i in range(start, start + n):
         t0 = time.perf_counter_ns()
@@ -181,6 +186,8 @@ async def run() -> list[dict[str, Any]]:
             ml.setup()
             say(f"loading {n:,} items into each store")
             load = {"lg": _load(lg, n), "ml": _load(ml, n)}
+            # the files right after the load: how far each WAL grew while it ran
+            files = {k: (_mb(d / f"{k}.db-wal"), _mb(d / f"{k}.db")) for k in kinds}
             stores = {"ml": ml, "lg": lg}
             bput: dict[str, list[float]] = {k: [] for k in (*kinds, *FLOORS)}
             # the floor's tables, holding the load's event rows: the `events` columns
@@ -241,6 +248,9 @@ async def run() -> list[dict[str, Any]]:
     floor_ok = batch["bare"] >= batch["lg"] / 2
     rows = [
         result("langgraph load (batches of 1,000)", load["ml"], "items/s", load["lg"]),
+        result("langgraph WAL file after the load", files["ml"][0], "MB", files["lg"][0],
+               note=f"database files {files['ml'][1]:,.0f} / {files['lg'][1]:,.0f} MB; a "
+                    "WAL file keeps the largest size it grew to until it starts over"),
         result("langgraph put", put_rate("ml"), "puts/s", put_rate("lg"),
                note=within(put_rate("ml"), put_rate("lg"), True)),
         result("langgraph batch put", batch["ml"], "items/s", batch["lg"],
