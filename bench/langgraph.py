@@ -250,7 +250,9 @@ async def run() -> list[dict[str, Any]]:
         result("langgraph load (batches of 1,000)", load["ml"], "items/s", load["lg"]),
         result("langgraph WAL file after the load", files["ml"][0], "MB", files["lg"][0],
                note=f"database files {files['ml'][1]:,.0f} / {files['lg'][1]:,.0f} MB; a "
-                    "WAL file keeps the largest size it grew to until it starts over"),
+                    "WAL file keeps the largest size it grew to until it starts over"
+                    + ("; SqliteStore keeps a rollback journal, no WAL"
+                       if not files["lg"][0] else "")),
         result("langgraph put", put_rate("ml"), "puts/s", put_rate("lg"),
                note=within(put_rate("ml"), put_rate("lg"), True)),
         result("langgraph batch put", batch["ml"], "items/s", batch["lg"],
