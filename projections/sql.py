@@ -10,6 +10,7 @@ writes one statement for both backends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import operator
 import os
@@ -730,8 +731,8 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
 # (one `group_concat` per term, all in one statement), takes the rows' sizes from a
 # cache kept per store while FTS5's structure record is byte for byte the same (never
 # stale: any change to the index empties it, as `_DF_CACHE`; filled by id, or with every
-# row's size in one statement once many were needed, `lexical_sizes`), and scores them
-# with FTS5's own formula (`projections.lexical.bm25_scores`).
+# row's size at once when many were needed, `lexical_sizes`), and scores them with
+# FTS5's own formula (`projections.lexical.bm25_scores`).
 
 
 class LexicalPostings:
@@ -778,7 +779,7 @@ class _Sizes:
     """Per store, while FTS5's structure record is `structure`: each term's count of
     rows (`n_hit`), the row sizes read so far (sorted row ids, sizes), how many sizes
     were read one by one (`read`), and whether `ids` is every row of the index
-    (`whole`: read in one statement, `_whole_sizes`)."""
+    (`whole`: read in slices of many rows a statement, `_whole_sizes`)."""
 
     __slots__ = ("ids", "n_hit", "read", "sizes", "structure", "whole")
 
@@ -878,7 +879,7 @@ async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.
     Sizes not cached are read by row id, unless the sizes read that way before under
     this structure record reach `SIZE_BULK_SHARE` of the index's `index_rows` (FTS5's
     row count, at most `SIZE_CACHE_ROWS`), or these alone reach twice that share: then
-    every row's size is read in one statement (`_whole_sizes`) and cached, so that no
+    every row's size is read in a few statements (`_whole_sizes`) and cached, so that no
     later recall reads a size until the index changes. A single recall after a change
     to the index thus pays no more than its look-ups would have cost."""
     sizes = _sizes(store, structure)
@@ -894,8 +895,8 @@ async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.
     if 0 < index_rows <= SIZE_CACHE_ROWS and (
             sizes.read >= SIZE_BULK_SHARE * index_rows
             or len(missing) >= 2 * SIZE_BULK_SHARE * index_rows):
-        all_ids, all_sizes, seen = await _whole_sizes(store, conn)
-        if seen == structure:
+        all_ids, all_sizes, seen = await _whole_sizes(store, conn, index_rows)
+        if seen is not None and seen == structure:
             sizes.ids, sizes.sizes, sizes.whole = all_ids, all_sizes, True
         out[~hit] = _sizes_of(all_ids, all_sizes, missing)
         return out
@@ -943,43 +944,71 @@ def _structure_last(rows: Sequence[Sequence[Any]]
     return seen, [r for r in rows if int(r[0]) != -1]
 
 
-async def _whole_sizes(store: Store, conn: AsyncConnection
+async def _whole_sizes(store: Store, conn: AsyncConnection, index_rows: int = 0
                        ) -> tuple[NDArray[np.int64], NDArray[np.float64], bytes | None]:
     """SQLite: (every row id of the index, sorted; its size; the structure record the
-    statement saw), in one statement.
+    statements saw, None unless they all saw the same one). An index of more than
+    `SIZE_BULK_SLICE` rows (`index_rows`, FTS5's count) is read in as many ranges of row
+    ids of equal width (the ids are hashes: about as many rows in each), so each
+    statement's strings stay a few MB.
 
-    The row ids as one `group_concat` (parsed by numpy) and the size records joined
-    into one blob in the same scan: about a quarter of a microsecond a row, against
-    about 1.4 per row for look-ups by id and their rows in Python (docs/benchmarks.md,
-    "a query's first recall"). FTS5 writes one varint per column in each size record,
-    so the blob splits into rows by count (`_varint_array`); if it does not (another
-    layout, a database in UTF-16), the rows are read one by one."""
+    Each statement's row ids as one `group_concat` (parsed by numpy) and its size
+    records joined into one blob in the same scan: about 0.3 us a row, against 1.7-3
+    for look-ups by id (docs/benchmarks.md, "a query's first recall
+    at 100k memories"). FTS5 writes one varint per column in each size record, so the
+    blob splits into rows by count (`_varint_array`); if it does not (another layout, a
+    database in UTF-16), that range's rows are read one by one."""
     fts = t.LEXICAL_FTS
-    head = await read_sql(
-        store, conn, f"SELECT group_concat(id), CAST(group_concat(sz, '') AS BLOB), "
-        f"count(*), (SELECT block FROM {fts}_data WHERE id = 10), "
-        f"(SELECT encoding FROM pragma_encoding) FROM {fts}_docsize", [])
-    id_text, blob, n, block, encoding = head[0]
-    seen = bytes(block) if block is not None else None
-    n = int(n)
-    if not n:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), seen
-    # A blob passes through group_concat byte for byte (NULs too) in a UTF-8 database;
-    # in a UTF-16 one it would be converted as text.
-    values = (_varint_array(bytes(blob)) if blob is not None and encoding == "UTF-8"
-              else None)
-    ids = _rowid_list(str(id_text))
-    if values is not None and len(values) == _FTS_COLUMNS * n and len(ids) == n:
-        sizes = values.reshape(n, _FTS_COLUMNS).sum(axis=1).astype(np.float64)
-    else:
-        rows = await read_sql(store, conn, f"SELECT id, sz FROM {fts}_docsize UNION ALL "
-                              f"SELECT -1, block FROM {fts}_data WHERE id = 10", [])
-        seen, rows = _structure_last(rows)
-        ids, sizes = _docsizes(rows)
-    if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
-        order = np.argsort(ids, kind="stable")
-        ids, sizes = ids[order], sizes[order]
-    return ids, sizes, seen
+    ranges: list[tuple[str, list[int]]] = [("", [])]
+    if index_rows > SIZE_BULK_SLICE:
+        got = await read_sql(store, conn, f"SELECT min(id), max(id) FROM {fts}_docsize", [])
+        if got and got[0][0] is not None:
+            lo, hi = int(got[0][0]), int(got[0][1])
+            k = -(-index_rows // SIZE_BULK_SLICE)
+            width = (hi - lo) // k + 1
+            cuts = [lo + i * width for i in range(1, k)]
+            if cuts:
+                ranges = [("WHERE id < ? ", [cuts[0]]),
+                          *(("WHERE id >= ? AND id < ? ", [x, y])
+                            for x, y in itertools.pairwise(cuts)),
+                          ("WHERE id >= ? ", [cuts[-1]])]
+    id_parts: list[NDArray[np.int64]] = []
+    size_parts: list[NDArray[np.float64]] = []
+    seen: set[bytes | None] = set()
+    for where, params in ranges:
+        head = await read_sql(
+            store, conn, f"SELECT group_concat(id), CAST(group_concat(sz, '') AS BLOB), "
+            f"count(*), (SELECT block FROM {fts}_data WHERE id = 10), "
+            f"(SELECT encoding FROM pragma_encoding) FROM {fts}_docsize {where}", params)
+        id_text, blob, n, block, encoding = head[0]
+        n = int(n)
+        seen.add(bytes(block) if block is not None else None)
+        if not n:
+            continue
+        # A blob passes through group_concat byte for byte (NULs too) in a UTF-8
+        # database; in a UTF-16 one it would be converted as text.
+        values = (_varint_array(bytes(blob)) if blob is not None and encoding == "UTF-8"
+                  else None)
+        ids = _rowid_list(str(id_text))
+        if values is not None and len(values) == _FTS_COLUMNS * n and len(ids) == n:
+            sizes = values.reshape(n, _FTS_COLUMNS).sum(axis=1).astype(np.float64)
+        else:
+            rows = await read_sql(store, conn, f"SELECT id, sz FROM {fts}_docsize {where}"
+                                  f"UNION ALL SELECT -1, block FROM {fts}_data WHERE id = 10",
+                                  params)
+            block, rows = _structure_last(rows)
+            seen.add(block)
+            ids, sizes = _docsizes(rows)
+        id_parts.append(ids)
+        size_parts.append(sizes)
+    one = seen.pop() if len(seen) == 1 else None
+    if not id_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), one
+    all_ids, all_sizes = np.concatenate(id_parts), np.concatenate(size_parts)
+    if len(all_ids) > 1 and not bool(np.all(all_ids[1:] > all_ids[:-1])):
+        order = np.argsort(all_ids, kind="stable")
+        all_ids, all_sizes = all_ids[order], all_sizes[order]
+    return all_ids, all_sizes, one
 
 
 def _varint_array(buf: bytes) -> NDArray[np.int64] | None:
@@ -1032,14 +1061,16 @@ def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray
 
 #: Row sizes cached per store at most (16 bytes each: an int64 id, a float64 size).
 SIZE_CACHE_ROWS: Final = 2_000_000
-#: Every row's size is read in one statement once the sizes read by row id under one
-#: structure record reach this share of the index's rows, or one recall needs twice
-#: this share (`lexical_sizes`). That statement costs about what looking up a sixth to
-#: a tenth of the rows by id does (docs/benchmarks.md, "a query's first recall"): after
-#: an eighth read one by one, a process has paid about what the whole read costs (so at
-#: most about twice the cost of the look-ups it saves), and no query's first recall
-#: reads sizes again until the index changes; a quarter at once is cheaper whole.
+#: Every row's size is read at once (`_whole_sizes`) when the sizes read by row id under
+#: one structure record reach this share of the index's rows, or one recall needs twice
+#: this share (`lexical_sizes`). Reading every row costs about what looking up a
+#: tenth to a sixth of them by id does (docs/benchmarks.md, "a query's first recall at
+#: 100k memories"): after an eighth read one by one a process has paid about what the
+#: whole read costs (so at most about twice the look-ups it saves), and no query's first
+#: recall reads a size again until the index changes; a quarter at once is cheaper whole.
 SIZE_BULK_SHARE: Final = 0.125
+#: Rows a statement of `_whole_sizes` reads at most.
+SIZE_BULK_SLICE: Final = 131_072
 #: Columns of the FTS5 table (scope, terms: `ledger.schema`), one varint each in a row's
 #: size record.
 _FTS_COLUMNS: Final = 2

@@ -228,20 +228,28 @@ async def test_whole_sizes_of_an_empty_index(sq: Store) -> None:
     assert len(ids) == 0 and len(sizes) == 0
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 20)), min_size=1, max_size=40))
-async def test_whole_sizes_equal_each_rows_record(sq: Store, shapes: list[tuple[int, int]]
-                                                  ) -> None:
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 20)), min_size=1, max_size=40),
+       st.sampled_from([1, 3, 7, 131_072]))
+async def test_whole_sizes_equal_each_rows_record(sq: Store, shapes: list[tuple[int, int]],
+                                                  per_statement: int) -> None:
     """For any index (entries of no terms, some, and over 127: sizes of one and two
-    bytes, zero bytes in the joined blob), `_whole_sizes` gives every row id, sorted,
-    with the size its own record holds (`_docsizes` of the rows read one by one)."""
+    bytes, zero bytes in the joined blob), read in one statement or in ranges of row
+    ids, `_whole_sizes` gives every row id, sorted, with the size its own record holds
+    (`_docsizes` of the rows read one by one), and the structure record they saw."""
     entries = [(p, "long", "T1", [f"t{j}" for j in range(m if m < 18 else 130 + m)])
                for p, m in shapes]
     await index(sq, rows_of(entries))
     fts = t.LEXICAL_FTS
+    mp = pytest.MonkeyPatch()
+    mp.setattr(psql, "SIZE_BULK_SLICE", per_statement)
+    try:
+        async with sq.read() as conn:
+            ids, sizes, seen = await _whole_sizes(sq, conn, len(entries))
+    finally:
+        mp.undo()
     async with sq.read() as conn:
-        ids, sizes, seen = await _whole_sizes(sq, conn)
         rows = (await conn.exec_driver_sql(f"SELECT id, sz FROM {fts}_docsize")).all()
         block = (await conn.exec_driver_sql(
             f"SELECT block FROM {fts}_data WHERE id = 10")).scalar()
@@ -250,6 +258,43 @@ async def test_whole_sizes_equal_each_rows_record(sq: Store, shapes: list[tuple[
     assert ids.tolist() == want_ids[order].tolist()
     assert sizes.tolist() == want_sizes[order].tolist()
     assert seen == bytes(block)
+
+
+async def test_whole_sizes_across_a_change_are_not_kept(
+        sq: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index changes between two statements of the bulk read: their structure
+    records differ, so `_whole_sizes` names none (a reader still on the record before
+    must not take sizes read after it), and the sizes serve the recall that read them
+    but are not cached (the next recall reads again, and ranks as FTS5 does)."""
+    monkeypatch.setattr(psql, "SIZE_BULK_SHARE", 0.0)
+    monkeypatch.setattr(psql, "SIZE_BULK_SLICE", 4)
+    await index(sq, rows_of([(0, "long", "T1", ["refund", f"g{i}"]) for i in range(20)]))
+    read_sql = psql.read_sql
+    bulk: list[str] = []
+
+    async def writes_between(store: Store, conn: Any, sql: str, params: Any,
+                             **kw: Any) -> Any:
+        got = await read_sql(store, conn, sql, params, **kw)
+        if "group_concat(sz" in sql:
+            bulk.append(sql)
+            if len(bulk) == 1:  # another writer, between this range and the next
+                await rewrite(sq, rows_of([(0, "long", "T1", ["refund", "g0", "extra"])]))
+        return got
+
+    monkeypatch.setattr(psql, "read_sql", writes_between)
+    async with sq.read() as conn:
+        _, _, seen = await _whole_sizes(sq, conn, 20)
+        assert seen is None and len(bulk) == 5
+        bulk.clear()
+        got = await lexical.search(conn, sq, PRINCIPALS[0], "refund", task=None,
+                                   session=None, k=5)
+    assert got and len(bulk) > 1
+    assert not cached(sq).whole
+    monkeypatch.setattr(psql, "read_sql", read_sql)
+    fts5, mine = await both(sq, PRINCIPALS[0], "refund", 20, task=None, session=None,
+                            monkeypatch=monkeypatch)
+    assert mine == fts5
+    assert cached(sq).whole
 
 
 @settings(max_examples=300, deadline=None)
