@@ -954,8 +954,8 @@ async def _whole_sizes(store: Store, conn: AsyncConnection, index_rows: int = 0
 
     Each statement's row ids as one `group_concat` (parsed by numpy) and its size
     records joined into one blob in the same scan: about 0.3 us a row, against 1.7-3
-    for look-ups by id (docs/benchmarks.md, "a query's first recall
-    at 100k memories"). FTS5 writes one varint per column in each size record, so the
+    for look-ups by id (docs/benchmarks.md, "a query's first warm recall reads no
+    row size"). FTS5 writes one varint per column in each size record, so the
     blob splits into rows by count (`_varint_array`); if it does not (another layout, a
     database in UTF-16), that range's rows are read one by one."""
     fts = t.LEXICAL_FTS
@@ -1063,13 +1063,15 @@ def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray
 SIZE_CACHE_ROWS: Final = 2_000_000
 #: Every row's size is read at once (`_whole_sizes`) when the sizes read by row id under
 #: one structure record reach this share of the index's rows, or one recall needs twice
-#: this share (`lexical_sizes`). Reading every row costs about what looking up a
-#: tenth to a sixth of them by id does (docs/benchmarks.md, "a query's first recall at
-#: 100k memories"): after an eighth read one by one a process has paid about what the
-#: whole read costs (so at most about twice the look-ups it saves), and no query's first
-#: recall reads a size again until the index changes; a quarter at once is cheaper whole.
+#: this share (`lexical_sizes`). Reading every row costs about what looking up a tenth
+#: to a sixth of them by id does (docs/benchmarks.md, "a query's first warm recall
+#: reads no row size"): after an eighth read one by one a process has paid about what
+#: the whole read costs (so at most about twice the look-ups it saves), and no query's
+#: first recall reads a size again until the index changes; a quarter at once is
+#: cheaper whole.
 SIZE_BULK_SHARE: Final = 0.125
-#: Rows a statement of `_whole_sizes` reads at most.
+#: `_whole_sizes` reads an index of up to this many rows in one statement, a larger one
+#: in ranges of row ids of about this many rows each.
 SIZE_BULK_SLICE: Final = 131_072
 #: Columns of the FTS5 table (scope, terms: `ledger.schema`), one varint each in a row's
 #: size record.
