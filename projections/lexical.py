@@ -25,8 +25,8 @@ Backends:
   hashed principal term in the match itself and again on the joined row; FTS5's best are
   taken before the join. By default that ranking is computed in process (`scored_hits`:
   each term's row ids from FTS5, the rows' sizes cached while the index is unchanged,
-  FTS5's formula in numpy; the same entries, order and scores), since FTS5's `bm25`
-  looks up every match's size.
+  every row's at once when a process has needed many of them, FTS5's formula in numpy;
+  the same entries, order and scores), since FTS5's `bm25` looks up every match's size.
 - PostgreSQL: an expression GIN index `to_tsvector('simple', terms)`; ranked by
   `ts_rank` (term frequency, no IDF: PostgreSQL has no BM25), the scope filtered on the
   row, over at most `PG_MATCH_CAP` matching rows. Deleting the row deletes its index
@@ -402,7 +402,7 @@ async def scored_hits(store: Store, conn: AsyncConnection, scope: str, qt: Seque
         mask[inv[at:at + len(x)]] = True
         at += len(x)
         present.append(mask)
-    sizes = await lexical_sizes(store, conn, ids, post.structure)
+    sizes = await lexical_sizes(store, conn, ids, post.structure, post.n_row)
     scores = bm25_scores(present, [fts5_idf(post.n_row, n) for n in post.n_hit], sizes,
                          post.n_token / post.n_row)
     order = np.lexsort((ids, -scores))[:page]

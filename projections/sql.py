@@ -10,6 +10,7 @@ writes one statement for both backends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import operator
 import os
@@ -729,7 +730,8 @@ async def lexical_hits(store: Store, conn: AsyncConnection, scope_term: str,
 # over ten times cheaper. So the lexical arm reads the row ids matching each query term
 # (one `group_concat` per term, all in one statement), takes the rows' sizes from a
 # cache kept per store while FTS5's structure record is byte for byte the same (never
-# stale: any change to the index empties it, as `_DF_CACHE`), and scores them with
+# stale: any change to the index empties it, as `_DF_CACHE`; filled by id, or with every
+# row's size at once when many were needed, `lexical_sizes`), and scores them with
 # FTS5's own formula (`projections.lexical.bm25_scores`).
 
 
@@ -775,15 +777,19 @@ def _phrase(scope_term: str | None, term: str) -> str:
 
 class _Sizes:
     """Per store, while FTS5's structure record is `structure`: each term's count of
-    rows (`n_hit`) and the row sizes read so far (sorted row ids, sizes)."""
+    rows (`n_hit`), the row sizes read so far (sorted row ids, sizes), how many sizes
+    were read one by one (`read`), and whether `ids` is every row of the index
+    (`whole`: read in slices of many rows a statement, `_whole_sizes`)."""
 
-    __slots__ = ("ids", "n_hit", "sizes", "structure")
+    __slots__ = ("ids", "n_hit", "read", "sizes", "structure", "whole")
 
     def __init__(self, structure: bytes | None) -> None:
         self.structure = structure
         self.n_hit: dict[str, int] = {}
         self.ids: NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self.sizes: NDArray[np.float64] = np.zeros(0, dtype=np.float64)
+        self.read = 0
+        self.whole = False
 
 
 _SIZES: dict[tuple[str, int], _Sizes] = {}
@@ -864,11 +870,18 @@ async def lexical_postings(store: Store, conn: AsyncConnection, terms: Sequence[
 
 
 async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.int64],
-                        structure: bytes | None) -> NDArray[np.float64]:
+                        structure: bytes | None, index_rows: int = 0) -> NDArray[np.float64]:
     """SQLite: the size in tokens (every column: what `bm25` takes as the row's length)
     of each of these FTS5 rows (sorted, distinct), from the cache while the index's
     structure record is still `structure`, else read from `lexical_fts_docsize` (and
-    cached when that statement saw the same structure record)."""
+    cached when that statement saw the same structure record).
+
+    Sizes not cached are read by row id, unless the sizes read that way before under
+    this structure record reach `SIZE_BULK_SHARE` of the index's `index_rows` (FTS5's
+    row count, at most `SIZE_CACHE_ROWS`), or these alone reach twice that share: then
+    every row's size is read in a few statements (`_whole_sizes`) and cached, so that no
+    later recall reads a size until the index changes. A single recall after a change
+    to the index thus pays no more than its look-ups would have cost."""
     sizes = _sizes(store, structure)
     out = np.zeros(len(docids), dtype=np.float64)
     ids = sizes.ids
@@ -876,37 +889,148 @@ async def lexical_sizes(store: Store, conn: AsyncConnection, docids: NDArray[np.
     hit = j < len(ids)
     hit[hit] = ids[j[hit]] == docids[hit]
     out[hit] = sizes.sizes[j[hit]]
-    if hit.all():
+    if hit.all() or sizes.whole:  # whole: a row id not in it has no row (as below: 0)
         return out
     missing = docids[~hit]
+    if 0 < index_rows <= SIZE_CACHE_ROWS and (
+            sizes.read >= SIZE_BULK_SHARE * index_rows
+            or len(missing) >= 2 * SIZE_BULK_SHARE * index_rows):
+        all_ids, all_sizes, seen = await _whole_sizes(store, conn, index_rows)
+        if seen is not None and seen == structure:
+            sizes.ids, sizes.sizes, sizes.whole = all_ids, all_sizes, True
+        out[~hit] = _sizes_of(all_ids, all_sizes, missing)
+        return out
+    sizes.read += len(missing)
     fts = t.LEXICAL_FTS
     rows = await read_sql(
         store, conn, f"SELECT id, sz FROM {fts}_docsize WHERE id IN (SELECT value FROM "
         f"json_each(?)) UNION ALL SELECT -1, block FROM {fts}_data WHERE id = 10",
         [orjson.dumps(missing.tolist()).decode()])
-    seen: bytes | None = None
-    if rows and int(rows[-1][0]) == -1:  # the structure record comes last (UNION ALL)
-        last = rows[-1][1]
-        seen, rows = (bytes(last) if last is not None else None), rows[:-1]
-    else:
-        for d, sz in rows:
-            if int(d) == -1:
-                seen = bytes(sz) if sz is not None else None
-        rows = [r for r in rows if int(r[0]) != -1]
+    seen, rows = _structure_last(rows)
     new_ids, new_sizes = _docsizes(rows)
     if len(new_ids):
         order = np.argsort(new_ids)
         new_ids, new_sizes = new_ids[order], new_sizes[order]
-        j = np.minimum(np.searchsorted(new_ids, missing), len(new_ids) - 1)
-        out[~hit] = np.where(new_ids[j] == missing, new_sizes[j], 0.0)
-    else:
-        out[~hit] = 0.0
+    out[~hit] = _sizes_of(new_ids, new_sizes, missing)
     if seen == structure and len(new_ids) and len(ids) + len(new_ids) <= SIZE_CACHE_ROWS:
         # Merged into the sorted cache in one pass (the new ids are not in it).
         at = np.searchsorted(ids, new_ids)
         sizes.ids = np.insert(ids, at, new_ids)
         sizes.sizes = np.insert(sizes.sizes, at, new_sizes)
     return out
+
+
+def _sizes_of(ids: NDArray[np.int64], sizes: NDArray[np.float64],
+              want: NDArray[np.int64]) -> NDArray[np.float64]:
+    """The sizes of the row ids `want` from sorted `ids` and their `sizes` (0 for an id
+    not there: a row deleted since its match was read)."""
+    if not len(ids):
+        return np.zeros(len(want), dtype=np.float64)
+    j = np.minimum(np.searchsorted(ids, want), len(ids) - 1)
+    return np.where(ids[j] == want, sizes[j], 0.0)
+
+
+def _structure_last(rows: Sequence[Sequence[Any]]
+                    ) -> tuple[bytes | None, Sequence[Sequence[Any]]]:
+    """(The structure record, the other rows) of a statement whose rows are
+    `lexical_fts_docsize` rows (id, sz) followed by (-1, the structure record)."""
+    if rows and int(rows[-1][0]) == -1:  # the structure record comes last (UNION ALL)
+        last = rows[-1][1]
+        return (bytes(last) if last is not None else None), rows[:-1]
+    seen: bytes | None = None
+    for d, sz in rows:
+        if int(d) == -1:
+            seen = bytes(sz) if sz is not None else None
+    return seen, [r for r in rows if int(r[0]) != -1]
+
+
+async def _whole_sizes(store: Store, conn: AsyncConnection, index_rows: int = 0
+                       ) -> tuple[NDArray[np.int64], NDArray[np.float64], bytes | None]:
+    """SQLite: (every row id of the index, sorted; its size; the structure record the
+    statements saw, None unless they all saw the same one). An index of more than
+    `SIZE_BULK_SLICE` rows (`index_rows`, FTS5's count) is read in as many ranges of row
+    ids of equal width (the ids are hashes: about as many rows in each), so each
+    statement's strings stay a few MB.
+
+    Each statement's row ids as one `group_concat` (parsed by numpy) and its size
+    records joined into one blob in the same scan: about 0.3 us a row, against 1.7-3
+    for look-ups by id (docs/benchmarks.md, "a query's first warm recall reads no
+    row size"). FTS5 writes one varint per column in each size record, so the
+    blob splits into rows by count (`_varint_array`); if it does not (another layout, a
+    database in UTF-16), that range's rows are read one by one."""
+    fts = t.LEXICAL_FTS
+    ranges: list[tuple[str, list[int]]] = [("", [])]
+    if index_rows > SIZE_BULK_SLICE:
+        got = await read_sql(store, conn, f"SELECT min(id), max(id) FROM {fts}_docsize", [])
+        if got and got[0][0] is not None:
+            lo, hi = int(got[0][0]), int(got[0][1])
+            k = -(-index_rows // SIZE_BULK_SLICE)
+            width = (hi - lo) // k + 1
+            cuts = [lo + i * width for i in range(1, k)]
+            if cuts:
+                ranges = [("WHERE id < ? ", [cuts[0]]),
+                          *(("WHERE id >= ? AND id < ? ", [x, y])
+                            for x, y in itertools.pairwise(cuts)),
+                          ("WHERE id >= ? ", [cuts[-1]])]
+    id_parts: list[NDArray[np.int64]] = []
+    size_parts: list[NDArray[np.float64]] = []
+    seen: set[bytes | None] = set()
+    for where, params in ranges:
+        head = await read_sql(
+            store, conn, f"SELECT group_concat(id), CAST(group_concat(sz, '') AS BLOB), "
+            f"count(*), (SELECT block FROM {fts}_data WHERE id = 10), "
+            f"(SELECT encoding FROM pragma_encoding) FROM {fts}_docsize {where}", params)
+        id_text, blob, n, block, encoding = head[0]
+        n = int(n)
+        seen.add(bytes(block) if block is not None else None)
+        if not n:
+            continue
+        # A blob passes through group_concat byte for byte (NULs too) in a UTF-8
+        # database; in a UTF-16 one it would be converted as text.
+        values = (_varint_array(bytes(blob)) if blob is not None and encoding == "UTF-8"
+                  else None)
+        ids = _rowid_list(str(id_text))
+        if values is not None and len(values) == _FTS_COLUMNS * n and len(ids) == n:
+            sizes = values.reshape(n, _FTS_COLUMNS).sum(axis=1).astype(np.float64)
+        else:
+            rows = await read_sql(store, conn, f"SELECT id, sz FROM {fts}_docsize {where}"
+                                  f"UNION ALL SELECT -1, block FROM {fts}_data WHERE id = 10",
+                                  params)
+            block, rows = _structure_last(rows)
+            seen.add(block)
+            ids, sizes = _docsizes(rows)
+        id_parts.append(ids)
+        size_parts.append(sizes)
+    one = seen.pop() if len(seen) == 1 else None
+    if not id_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), one
+    all_ids, all_sizes = np.concatenate(id_parts), np.concatenate(size_parts)
+    if len(all_ids) > 1 and not bool(np.all(all_ids[1:] > all_ids[:-1])):
+        order = np.argsort(all_ids, kind="stable")
+        all_ids, all_sizes = all_ids[order], all_sizes[order]
+    return all_ids, all_sizes, one
+
+
+def _varint_array(buf: bytes) -> NDArray[np.int64] | None:
+    """The SQLite varints packed one after another in `buf`, decoded by numpy; None
+    where one is longer than 8 bytes (a value of 2**56 or more, never a size) or the
+    last is cut off."""
+    b = np.frombuffer(buf, dtype=np.uint8)
+    if not len(b):
+        return np.zeros(0, dtype=np.int64)
+    last = b < 0x80  # the last byte of each varint
+    if not last[-1]:
+        return None
+    if last.all():
+        return b.astype(np.int64)
+    ends = np.flatnonzero(last)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    which: NDArray[np.int64] = np.cumsum(last, dtype=np.int64) - last  # each byte's varint
+    shift = ends[which] - np.arange(len(b))  # 7-bit groups after this byte in its varint
+    if int(shift.max()) >= 8:
+        return None
+    parts = (b & 0x7F).astype(np.int64) << (7 * shift)
+    return np.add.reduceat(parts, starts)
 
 
 def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
@@ -935,8 +1059,23 @@ def _docsizes(rows: Sequence[Sequence[Any]]) -> tuple[NDArray[np.int64], NDArray
     return ids, out
 
 
-#: Row sizes cached per store at most (8 bytes of id and one small int each, in lists).
+#: Row sizes cached per store at most (16 bytes each: an int64 id, a float64 size).
 SIZE_CACHE_ROWS: Final = 2_000_000
+#: Every row's size is read at once (`_whole_sizes`) when the sizes read by row id under
+#: one structure record reach this share of the index's rows, or one recall needs twice
+#: this share (`lexical_sizes`). Reading every row costs about what looking up a tenth
+#: to a sixth of them by id does (docs/benchmarks.md, "a query's first warm recall
+#: reads no row size"): after an eighth read one by one a process has paid about what
+#: the whole read costs (so at most about twice the look-ups it saves), and no query's
+#: first recall reads a size again until the index changes; a quarter at once is
+#: cheaper whole.
+SIZE_BULK_SHARE: Final = 0.125
+#: `_whole_sizes` reads an index of up to this many rows in one statement, a larger one
+#: in ranges of row ids of about this many rows each.
+SIZE_BULK_SLICE: Final = 131_072
+#: Columns of the FTS5 table (scope, terms: `ledger.schema`), one varint each in a row's
+#: size record.
+_FTS_COLUMNS: Final = 2
 
 
 async def lexical_rows(store: Store, conn: AsyncConnection, docids: Sequence[int], *,
