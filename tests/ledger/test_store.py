@@ -354,6 +354,9 @@ async def test_writes_that_never_pause_still_start_the_wal_over(
     monkeypatch.setattr(inline_mod, "CHECKPOINT_EVERY_S", 0.02)
     monkeypatch.setattr(inline_mod, "RESTART_FRAMES", 64)
     monkeypatch.setattr(inline_mod, "WAL_LIMIT_BYTES", 0)
+    # the mechanism, not the reader wait: on a loaded machine 20 ms can pass before
+    # the appenders' own read transactions have left the WAL
+    monkeypatch.setattr(inline_mod, "CATCH_UP_WAIT_MS", 1000)
     assert store.inline is not None
     await store.inline.close()  # its next connection takes the patched limit
     path = file_path(store.url)
