@@ -245,9 +245,8 @@ class Appender:
     async def _one(self, ev: Event, position: int, chain: str, recorded: str,
                    undo: _Undo) -> tuple[AppendResult, int, str]:
         # Runs once per appended event: each field and derived value of the event is read
-        # once, into locals (the old body asked `is_write` four times, `slot` and
-        # `task_key` twice and built the namespace path up to three times), and the row
-        # is built from them (`_row`) rather than from the event again (`event_row`).
+        # once, into locals, and the row is built from them (`_row`) rather than from
+        # the event again (`event_row`).
         dig = ev.content_digest
         tenant = ev.tenant
         ikey = (tenant, ev.idempotency_key)

@@ -275,6 +275,7 @@ class Checkpointer:
         self._closing = False
         self._last = float("-inf")
         self._caught = float("-inf")
+        self._wait_ms = -1  # the checkpoint connection's busy timeout, as last set
         #: the last checkpoint found `RESTART_FRAMES` frames or more in the WAL
         self.restart_due = False
         #: checkpoints run (what the tests read)
@@ -340,8 +341,11 @@ class Checkpointer:
                 if self._db is None:
                     self._db = sqlite3.connect(self.path, isolation_level=None,
                                                check_same_thread=False)
+                    self._wait_ms = -1
                 db = self._db
-                db.execute(f"PRAGMA busy_timeout={wait_ms}")
+                if wait_ms != self._wait_ms:  # set when it changes, not per checkpoint
+                    db.execute(f"PRAGMA busy_timeout={wait_ms}")
+                    self._wait_ms = wait_ms
                 row = db.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
             except sqlite3.Error:
                 self._drop_db()
